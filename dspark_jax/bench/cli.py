@@ -1,0 +1,27 @@
+"""`dspark bench NAME`: each benchmark is a module in dspark_jax.bench with add_arguments/run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "verify": ("dspark_jax.bench.verify", "verify_and_accept time per call"),
+    "schedule": ("dspark_jax.bench.schedule", "scheduler throughput simulation vs concurrency"),
+    "kernels": ("dspark_jax.bench.kernels", "Pallas kernels vs their jnp references"),
+    "convert": ("dspark_jax.bench.convert", "checkpoint conversion MB/s and peak RSS"),
+    "decode": ("dspark_jax.bench.decode", "speculative vs plain decoding tokens/s"),
+    "acceptance": ("dspark_jax.bench.acceptance", "tau and per-position acceptance of the embedded drafts"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for that benchmark")
+
+
+def run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(BENCHMARKS[args.name][0])
+    sub = argparse.ArgumentParser(prog=f"dspark bench {args.name}", description=BENCHMARKS[args.name][1])
+    module.add_arguments(sub)
+    return int(module.run(sub.parse_args(args.bench_args)) or 0)

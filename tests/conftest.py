@@ -1,0 +1,15 @@
+"""Test set-up shared by every test module.
+
+Eight host CPU devices so the sharding tests can build real meshes; this must happen before jax
+initialises its backends, which is why it lives here and not in a test.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
