@@ -1,0 +1,157 @@
+"""DeepSeek MoE as in the V4.1 draft (SPEC 2.6): sqrt-softplus gate, bias-steered top-k selection,
+renormalised unbiased weights times route_scale, clamped SwiGLU experts, one shared expert.
+
+Expert parallelism: expert weights carry the logical axis "expert". `moe_ffn` evaluates every expert
+on every token and combines with a [N, E] weight matrix that is zero off the selected experts. Under
+`jax.jit` with the expert axis sharded, each device computes its own experts and one all-reduce sums
+the results. This is exact and shards cleanly; it spends E/k times the routed FLOPs, which is what a
+decode step of a few hundred tokens can afford (weights, not FLOPs, bound it), not what training at
+scale should use. A capacity-based dispatch is the upgrade path.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.nn.params import fan_in_normal, param
+from dspark_jax.nn.quant import fp8_quant_dequant
+
+
+def gate_scores(x: jax.Array, gate_kernel: jax.Array, score_func: str = "sqrtsoftplus") -> jax.Array:
+    """Routing scores in f32, x [.., D], kernel [D, E] -> [.., E]."""
+    logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), gate_kernel.astype(jnp.float32),
+                        precision="highest")
+    if score_func == "sqrtsoftplus":
+        return jnp.sqrt(jax.nn.softplus(logits))
+    if score_func == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    if score_func == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    raise ValueError(f"unknown score_func {score_func!r}")
+
+
+def moe_route(x: jax.Array, gate_kernel: jax.Array, bias: jax.Array, *, top_k: int, route_scale: float,
+              score_func: str = "sqrtsoftplus", norm_topk_prob: bool = True) -> tuple[jax.Array, jax.Array]:
+    """-> (weights f32[.., k], expert ids i32[.., k]).
+
+    The bias only steers WHICH experts are chosen; the weights are the unbiased scores of the chosen
+    experts, renormalised to sum to one (+1e-20) and multiplied by route_scale.
+    """
+    scores = gate_scores(x, gate_kernel, score_func)
+    _, idx = jax.lax.top_k(scores + bias.astype(jnp.float32), top_k)
+    weights = jnp.take_along_axis(scores, idx, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * route_scale, idx
+
+
+def clamped_swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:
+    """silu(min(g, limit)) * clip(u, -limit, limit), in f32."""
+    g = jnp.minimum(g.astype(jnp.float32), limit)
+    u = jnp.clip(u.astype(jnp.float32), -limit, limit)
+    return jax.nn.silu(g) * u
+
+
+def _act(x, act_fp8):
+    return fp8_quant_dequant(x) if act_fp8 else x
+
+
+def swiglu_mlp(x: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array, *, limit: float,
+               weight: jax.Array | None = None, act_fp8: bool = False) -> jax.Array:
+    """One expert (or the shared expert): w2(weight * swiglu(w1 x, w3 x)); f32 result."""
+    cd = w1.dtype
+    xa = _act(x, act_fp8).astype(cd)
+    g = jnp.einsum("...d,di->...i", xa, w1, preferred_element_type=jnp.float32)
+    u = jnp.einsum("...d,di->...i", xa, w3, preferred_element_type=jnp.float32)
+    h = clamped_swiglu(g, u, limit)
+    if weight is not None:  # routing weight is applied BEFORE w2, as the reference does
+        h = h * weight[..., None]
+    h = _act(h, act_fp8).astype(cd)
+    return jnp.einsum("...i,id->...d", h, w2, preferred_element_type=jnp.float32)
+
+
+def moe_ffn(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: dict, shared: dict | None, *,
+            limit: float, act_fp8: bool = False) -> jax.Array:
+    """x [N, D], routing (weights, idx) [N, k], experts {w1,w3: [E, D, I], w2: [E, I, D]} -> f32 [N, D]."""
+    n_experts = experts["w1"].shape[0]
+    combine = jnp.sum(jax.nn.one_hot(idx, n_experts, dtype=jnp.float32) * weights[..., None], axis=-2)  # [N, E]
+    cd = experts["w1"].dtype
+    xa = _act(x, act_fp8).astype(cd)
+    g = jnp.einsum("nd,edi->nei", xa, experts["w1"], preferred_element_type=jnp.float32)
+    u = jnp.einsum("nd,edi->nei", xa, experts["w3"], preferred_element_type=jnp.float32)
+    h = clamped_swiglu(g, u, limit) * combine[..., None]
+    h = _act(h, act_fp8).astype(cd)
+    y = jnp.einsum("nei,eid->nd", h, experts["w2"], preferred_element_type=jnp.float32)
+    if shared is not None:
+        y = y + swiglu_mlp(x, shared["w1"], shared["w3"], shared["w2"], limit=limit, act_fp8=act_fp8)
+    return y
+
+
+class MoE(nn.Module):
+    dim: int
+    n_experts: int
+    top_k: int
+    inter_dim: int
+    n_shared: int
+    route_scale: float
+    score_func: str
+    norm_topk_prob: bool
+    swiglu_limit: float
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    act_fp8: bool = False
+
+    def setup(self):
+        d, e, i = self.dim, self.n_experts, self.inter_dim
+        self.gate = _Gate(d, e, self.param_dtype)
+        self.experts = _SwiGLUWeights(d, i, e, self.param_dtype)
+        if self.n_shared:
+            self.shared = _SwiGLUWeights(d, self.n_shared * i, 0, self.param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.dim)
+        kernel, bias = self.gate()
+        weights, idx = moe_route(flat, kernel, bias, top_k=self.top_k, route_scale=self.route_scale,
+                                 score_func=self.score_func, norm_topk_prob=self.norm_topk_prob)
+        cd = jnp.dtype(self.compute_dtype)
+        experts = {k: v.astype(cd) for k, v in self.experts().items()}
+        shared = {k: v.astype(cd) for k, v in self.shared().items()} if self.n_shared else None
+        y = moe_ffn(flat, weights, idx, experts, shared, limit=self.swiglu_limit, act_fp8=self.act_fp8)
+        return y.astype(cd).reshape(*lead, self.dim)
+
+
+class _Gate(nn.Module):
+    dim: int
+    n_experts: int
+    param_dtype: str
+
+    @nn.compact
+    def __call__(self):
+        kernel = param(self, "kernel", fan_in_normal(self.dim), (self.dim, self.n_experts), self.param_dtype,
+                       ("embed", "expert_gate"))
+        bias = param(self, "bias", nn.initializers.zeros, (self.n_experts,), "float32", ("expert_gate",))
+        # In the checkpoint, unused by drafts; kept so an export round-trips every tensor.
+        param(self, "bias_vl", nn.initializers.zeros, (self.n_experts,), "float32", ("expert_gate",))
+        return kernel, bias
+
+
+class _SwiGLUWeights(nn.Module):
+    """w1, w3 [(E,) D, I] and w2 [(E,) I, D]; n_experts = 0 means a single (shared) expert."""
+
+    dim: int
+    inter_dim: int
+    n_experts: int
+    param_dtype: str
+
+    @nn.compact
+    def __call__(self) -> dict:
+        d, i = self.dim, self.inter_dim
+        lead, lead_axes = ((self.n_experts,), ("expert",)) if self.n_experts else ((), ())
+        return {
+            "w1": param(self, "w1", fan_in_normal(d), (*lead, d, i), self.param_dtype, (*lead_axes, "embed", "mlp")),
+            "w3": param(self, "w3", fan_in_normal(d), (*lead, d, i), self.param_dtype, (*lead_axes, "embed", "mlp")),
+            "w2": param(self, "w2", fan_in_normal(i), (*lead, i, d), self.param_dtype, (*lead_axes, "mlp", "embed")),
+        }
