@@ -263,3 +263,10 @@ def propose(params: dict, tied: dict, cfg: DSparkConfig, state: DraftState, anch
         sampling_params, seeds, first_position, impl=impl, filtering=filtering)
     conf = confidence_logits(h, emb, params["confidence"]["kernel"])
     return DraftOutput(tokens, logits, conf, emb, h)
+
+
+def param_shardings(cfg: DSparkConfig, mesh) -> dict:
+    """NamedSharding for every draft parameter on `mesh` (experts over the `expert` axis, etc.)."""
+    from dspark_jax.parallel import fit_shardings, logical_shardings
+
+    return fit_shardings(logical_shardings(param_logical_axes(cfg), mesh), abstract_params(cfg))

@@ -13,3 +13,8 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+from pathlib import Path  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"

@@ -13,9 +13,17 @@ E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
 
 
+def pow2_ceil(x: jax.Array) -> jax.Array:
+    """2^ceil(log2(x)) for positive f32 x, exactly: frexp and bit assembly, since XLA's exp2/log2 are
+    approximations that can miss an exact power of two by one ulp (and then ceil jumps a whole binade)."""
+    mant, exp = jnp.frexp(x.astype(jnp.float32))  # x = mant * 2^exp, mant in [0.5, 1)
+    e = jnp.where(mant == 0.5, exp - 1, exp)
+    return jax.lax.bitcast_convert_type(((e + 127) << 23).astype(jnp.int32), jnp.float32)
+
+
 def fp8_block_scale(amax: jax.Array) -> jax.Array:
     """2^ceil(log2(max(amax, 1e-4) / 448)): the smallest power of two that fits the block into E4M3."""
-    return jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(amax, AMAX_FLOOR) / E4M3_MAX)))
+    return pow2_ceil(jnp.maximum(amax, AMAX_FLOOR) / E4M3_MAX)
 
 
 def fp8_quant_dequant(x: jax.Array, block: int = 32, out_dtype=None) -> jax.Array:

@@ -1,0 +1,63 @@
+"""Plain numpy oracles shared by several tests: loops where loops make them obviously right."""
+
+import math
+
+import numpy as np
+
+
+def e4m3_grid():
+    vals = set()
+    for e in range(16):
+        for m in range(8):
+            if e == 15 and m == 7:
+                continue  # NaN
+            v = (m / 8) * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+            vals.update([v, -v])
+    return np.array(sorted(vals))
+
+
+def np_round_e4m3(v, grid):
+    """Nearest grid value; ties to the even mantissa (the code with an even last bit)."""
+    i = np.searchsorted(grid, v)
+    lo, hi = grid[max(i - 1, 0)], grid[min(i, len(grid) - 1)]
+    if abs(v - lo) < abs(hi - v):
+        return lo
+    if abs(hi - v) < abs(v - lo):
+        return hi
+    # tie: pick the one whose mantissa is even, i.e. even index among same-sign magnitudes
+    mags = np.array(sorted({abs(g) for g in grid}))
+    return lo if int(np.searchsorted(mags, abs(lo))) % 2 == 0 else hi
+
+
+
+def np_fp8_round_rows(x):
+    """fp8 E4M3 quantize-dequantize of each row of x [..., d] in blocks of 32, numpy."""
+    grid = e4m3_grid()
+    flat = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    out = np.zeros_like(flat)
+    for r in range(flat.shape[0]):
+        for b0 in range(0, flat.shape[1], 32):
+            blk = flat[r, b0:b0 + 32]
+            scale = 2.0 ** math.ceil(math.log2(max(np.abs(blk).max(), 1e-4) / 448.0))
+            out[r, b0:b0 + 32] = [np_round_e4m3(min(max(v / scale, -448), 448), grid) * scale for v in blk]
+    return out.reshape(x.shape)
+
+
+def np_rms_norm(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def np_rope(x, pos, theta, rope_dim, inverse=False):
+    """Interleaved pairs of the last rope_dim dims as complex numbers; x [..., d], pos broadcast to x[..., 0]."""
+    x = np.array(x, np.float64)
+    d = x.shape[-1]
+    pos = np.broadcast_to(pos, x.shape[:-1])
+    out = x.copy()
+    for idx in np.ndindex(*x.shape[:-1]):
+        for i in range(rope_dim // 2):
+            ang = pos[idx] * theta ** (-2 * i / rope_dim) * (-1 if inverse else 1)
+            z = complex(x[idx + (d - rope_dim + 2 * i,)], x[idx + (d - rope_dim + 2 * i + 1,)])
+            z *= complex(math.cos(ang), math.sin(ang))
+            out[idx + (d - rope_dim + 2 * i,)] = z.real
+            out[idx + (d - rope_dim + 2 * i + 1,)] = z.imag
+    return out

@@ -1,0 +1,268 @@
+"""The V4.1 draft: attention, block order, heads, ring semantics, shapes and expert parallelism."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import CONFIGS
+from oracles import np_fp8_round_rows, np_rms_norm, np_rope
+from test_nn import np_hc_mixes
+
+from dspark_jax import draft, sampling
+from dspark_jax.config import DSparkConfig
+from dspark_jax.nn.attention import WindowAttention
+from dspark_jax.nn.mhc import one_hot_pre
+
+CFG = DSparkConfig.from_json(CONFIGS / "tiny_v41.json")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(seed=0):
+    params = draft.init_params(CFG, jax.random.key(seed))
+    # Non-trivial sinks, gate biases and hc params so the tests can see them.
+    k = jax.random.split(jax.random.key(seed + 100), 4)
+    for s in range(CFG.n_layers):
+        blk = params[f"blocks_{s}"]
+        blk["attn"]["sink"] = jax.random.normal(k[0], blk["attn"]["sink"].shape)
+        blk["hc_attn"]["base"] = jax.random.normal(k[1], blk["hc_attn"]["base"].shape)
+        blk["hc_ffn"]["fn"] = blk["hc_ffn"]["fn"] * 20
+    v, d = CFG.vocab_size, CFG.dim
+    tied = {"embed": jax.random.normal(k[2], (v, d)), "head": jax.random.normal(k[3], (v, d)) * d ** -0.5}
+    return params, tied
+
+
+def np_attention(p, x, positions, ring, ring_len, cfg):
+    """SPEC 2.5 in numpy with loops over batch, query, head and key."""
+    b, kk, _ = x.shape
+    h, hd, w = cfg.n_heads, cfg.head_dim, cfg.window
+    a = {n: np.asarray(p[n]["kernel"], np.float64) for n in ("wq_a", "wq_b", "wkv", "wo_b")}
+    q = np_rms_norm(x @ a["wq_a"], np.asarray(p["q_norm"]["scale"]), cfg.norm_eps) @ a["wq_b"]
+    q = np_rope(q.reshape(b, kk, h, hd), positions[:, :, None], cfg.rope_theta, cfg.rope_head_dim)
+    kv = np_rms_norm(x @ a["wkv"], np.asarray(p["kv_norm"]["scale"]), cfg.norm_eps)
+    kv = np_fp8_round_rows(np_rope(kv, positions, cfg.rope_theta, cfg.rope_head_dim))
+    sink = np.asarray(p["sink"], np.float64)
+    o = np.zeros((b, kk, h, hd))
+    for bi in range(b):
+        keys = [ring[bi, j] for j in range(min(w, ring_len[bi]))] + [kv[bi, j] for j in range(kk)]
+        for qi in range(kk):
+            for hi in range(h):
+                s = [float(q[bi, qi, hi] @ key) * hd ** -0.5 for key in keys]
+                m = max(max(s), sink[hi])
+                num = sum(np.exp(sj - m) * key for sj, key in zip(s, keys))
+                o[bi, qi, hi] = num / (sum(np.exp(sj - m) for sj in s) + np.exp(sink[hi] - m))
+    o = np_rope(o, positions[:, :, None], cfg.rope_theta, cfg.rope_head_dim, inverse=True).reshape(b, kk, -1)
+    g = cfg.o_groups
+    gs = h * hd // g
+    wo_a = np.asarray(p["wo_a"]["kernel"], np.float64)
+    mid = np.concatenate([o[..., gi * gs:(gi + 1) * gs] @ wo_a[gi] for gi in range(g)], axis=-1)
+    return mid @ a["wo_b"]
+
+
+@pytest.mark.parametrize("ring_len", [[3, 16], [16, 40]])
+def test_attention_matches_numpy(ring_len):
+    params, _ = tiny()
+    p = params["blocks_0"]["attn"]
+    rng = np.random.default_rng(1)
+    b, k = 2, CFG.block_size
+    x = rng.normal(size=(b, k, CFG.dim)).astype(np.float32)
+    ring_len = np.array(ring_len)
+    positions = ring_len[:, None] + np.arange(k)[None]
+    ring = np_fp8_round_rows(rng.normal(size=(b, CFG.window, CFG.head_dim))).astype(np.float32)
+    got = WindowAttention(CFG, impl="xla").apply({"params": p}, jnp.asarray(x), jnp.asarray(positions),
+                                                 jnp.asarray(ring), jnp.asarray(ring_len))
+    want = np_attention(p, x.astype(np.float64), positions, ring.astype(np.float64), ring_len, CFG)
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-4)
+
+
+def test_block_single_pass_order():
+    """A sub-layer collapses its input with the PREVIOUS sub-layer's pre (SPEC 2.4)."""
+    params, _ = tiny()
+    bp = params["blocks_0"]
+    rng = np.random.default_rng(2)
+    b, k, hc, d = 1, CFG.block_size, CFG.hc_mult, CFG.dim
+    streams = rng.normal(size=(b, k, hc, d)).astype(np.float32)
+    pre_in = rng.random((b, k, hc)).astype(np.float32)
+    positions = jnp.full((b, k), 7) + jnp.arange(k)
+    ring, ring_len = jnp.zeros((b, CFG.window, CFG.head_dim)), jnp.array([7])
+    blk = draft.Block(CFG, impl="xla")
+    out, ffn_pre = blk.apply({"params": bp}, jnp.asarray(streams), jnp.asarray(pre_in), positions, ring, ring_len)
+
+    def sub(name, x):  # the sub-layers as black boxes; this test is about their wiring
+        def f(mdl, x):
+            if name == "attn":
+                return mdl.attn(mdl.attn_norm(x), positions, ring, ring_len)
+            return mdl.ffn(mdl.ffn_norm(x))
+        return np.asarray(blk.apply({"params": bp}, jnp.asarray(x, jnp.float32), method=f), np.float64)
+
+    hcp = lambda n: [np.asarray(bp[n][q], np.float64) for q in ("fn", "base", "scale")]  # noqa: E731
+    x = streams[0].astype(np.float64)  # [K, hc, D]
+    mixes = lambda xs, n: [np_hc_mixes(xs[t], *hcp(n), CFG.hc_sinkhorn_iters, CFG.hc_eps, CFG.norm_eps)  # noqa: E731
+                           for t in range(k)]
+    am = mixes(x, "hc_attn")
+    y = sub("attn", np.stack([pre_in[0, t] @ x[t] for t in range(k)])[None])[0]
+    x = np.stack([[am[t][1][j] * y[t] + sum(am[t][2][i, j] * x[t, i] for i in range(hc)) for j in range(hc)]
+                  for t in range(k)])
+    fm = mixes(x, "hc_ffn")
+    y = sub("ffn", np.stack([am[t][0] @ x[t] for t in range(k)])[None])[0]  # attn_pre collapses the FFN input
+    x = np.stack([[fm[t][1][j] * y[t] + sum(fm[t][2][i, j] * x[t, i] for i in range(hc)) for j in range(hc)]
+                  for t in range(k)])
+    np.testing.assert_allclose(out[0], x, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(ffn_pre[0], np.stack([fm[t][0] for t in range(k)]), rtol=1e-5)
+
+
+def _state(params, lengths, seed=3):
+    b = len(lengths)
+    t = max(lengths)
+    mh = jax.random.normal(jax.random.key(seed), (b, t, CFG.main_hidden_dim))
+    return draft.prefill(params, CFG, draft.init_state(CFG, b), mh, jnp.asarray(lengths), impl="xla")
+
+
+def test_markov_bias_confidence_inputs_and_prenorm_hidden():
+    params, tied = tiny()
+    st = _state(params, [4, 30])
+    anchor = jnp.array([5, 9])
+    out = draft.propose(params, tied, CFG, st, anchor, sampling.SamplingParams.greedy(2),
+                        jnp.array([1, 2], jnp.uint32), impl="xla")
+    w1 = np.asarray(params["markov"]["embed"], np.float64)
+    w2 = np.asarray(params["markov"]["head"], np.float64)
+    head = np.asarray(tied["head"], np.float64)
+    h = np.asarray(out.hidden, np.float64)
+    base = np_rms_norm(h, np.asarray(params["norm"]["scale"]), CFG.norm_eps) @ head.T  # U from PRE-norm h
+    tokens = np.asarray(out.tokens)
+    prev = np.concatenate([np.asarray(anchor)[:, None], tokens[:, :-1]], axis=1)
+    for bi in range(2):
+        for k in range(CFG.block_size):
+            e = w1[prev[bi, k]]
+            logits = base[bi, k] + np.array([e @ w2[v] for v in range(CFG.vocab_size)])
+            np.testing.assert_allclose(out.logits[bi, k], logits, rtol=1e-4, atol=1e-4)
+            assert tokens[bi, k] == int(np.argmax(logits))  # greedy
+            np.testing.assert_allclose(out.markov_emb[bi, k], e, rtol=1e-6)
+            z = np.concatenate([h[bi, k], e]) @ np.asarray(params["confidence"]["kernel"], np.float64)
+            np.testing.assert_allclose(out.conf_logits[bi, k], z, rtol=1e-4, atol=1e-4)
+
+
+def test_ring_valid_slots_are_min_window_and_length():
+    params, tied = tiny()
+    st = _state(params, [5, 40])
+    anchor = jnp.array([1, 2])
+    run = lambda s: draft.propose(params, tied, CFG, s, anchor, sampling.SamplingParams.greedy(2),  # noqa: E731
+                                  jnp.array([0, 0], jnp.uint32), impl="xla").logits
+    base = run(st)
+    junk = st.ring.at[:, 0, 5:].set(100.0)  # row 0 has 5 valid slots: the rest must be invisible
+    np.testing.assert_array_equal(run(draft.DraftState(junk, st.length)), base)
+    touched = st.ring.at[:, 0, 4].add(1.0)  # a valid slot must matter
+    assert not np.allclose(run(draft.DraftState(touched, st.length))[0], base[0])
+    touched = st.ring.at[:, 1, CFG.window - 1].add(1.0)  # past the window every slot is valid
+    assert not np.allclose(run(draft.DraftState(touched, st.length))[1], base[1])
+
+
+def test_draft_rows_see_each_other():
+    params, _ = tiny()
+    st = _state(params, [6])
+    model = draft.DSparkDraft(CFG, impl="xla")
+    emb = jax.random.normal(jax.random.key(5), (1, CFG.block_size, CFG.dim))
+    pos = st.length[:, None] + jnp.arange(CFG.block_size)
+    body = lambda e: model.apply({"params": params}, e, pos, st.ring, st.length,  # noqa: E731
+                                 method=draft.DSparkDraft.body)
+    h0 = body(emb)
+    h1 = body(emb.at[0, -1].add(1.0))  # change the LAST row's input
+    assert not np.allclose(h0[0, 0], h1[0, 0])  # ... the FIRST row sees it (bidirectional block)
+
+
+def test_ring_wraparound_keeps_exactly_the_last_window_rows():
+    params, _ = tiny()
+    w, b, total = CFG.window, 2, 2 * CFG.window + 7
+    mh = jax.random.normal(jax.random.key(7), (b, total, CFG.main_hidden_dim))
+    positions = jnp.broadcast_to(jnp.arange(total), (b, total))
+    rows = draft.DSparkDraft(CFG, "xla").apply({"params": params}, mh, positions,
+                                               method=draft.DSparkDraft.context_rows)
+    # 1) incremental ingest in uneven chunks, different counts per row
+    st = draft.init_state(CFG, b)
+    done = np.zeros(b, int)
+    for chunk in ([3, 5], [9, 1], [20, 30], [0, 4], [total, total]):
+        n = np.minimum(np.array(chunk), total - done)
+        t = int(n.max()) or 1
+        idx = np.minimum(done[:, None] + np.arange(t)[None], total - 1)
+        st = draft.ingest(params, CFG, st, jnp.take_along_axis(mh, jnp.asarray(idx)[..., None], axis=1),
+                          jnp.asarray(n), impl="xla")
+        done += n
+    # 2) one prefill longer than the window
+    st2 = draft.prefill(params, CFG, draft.init_state(CFG, b), mh, jnp.array([total, total - 3]), impl="xla")
+    for state, lengths in ((st, [total, total]), (st2, [total, total - 3])):
+        np.testing.assert_array_equal(state.length, lengths)
+        for bi in range(b):
+            for pos in range(lengths[bi] - w, lengths[bi]):
+                np.testing.assert_allclose(state.ring[:, bi, pos % w], rows[:, bi, pos], rtol=1e-6, atol=1e-6)
+
+
+def test_full_config_param_count_and_decode_shapes():
+    full = DSparkConfig.from_json(CONFIGS / "deepseek_v41_flash.json")
+    n = draft.count_params(draft.abstract_params(full))
+    assert abs(n - 14.2e9) / 14.2e9 < 0.01, n
+    b = 2
+    ap = draft.abstract_params(full)
+    sds = jax.ShapeDtypeStruct
+    tied = {"embed": sds((full.vocab_size, full.dim), jnp.bfloat16), "head": sds((full.vocab_size, full.dim),
+                                                                               jnp.bfloat16)}
+    st = jax.eval_shape(lambda: draft.init_state(full, b))
+    st = jax.eval_shape(lambda p, s, mh: draft.ingest(p, full, s, mh, jnp.ones((b,), jnp.int32)), ap, st,
+                        sds((b, 1, 15360), jnp.bfloat16))  # main_hidden [B, 1, 15360]
+    assert st.ring.shape == (3, b, 128, 512)
+    main_x = jax.eval_shape(lambda p, mh: draft.DSparkDraft(full).apply(
+        {"params": p}, mh, method=lambda m, mh: m.main_norm(m.main_proj(mh))), ap, sds((b, 1, 15360), jnp.bfloat16))
+    assert main_x.shape == (b, 1, 5120)
+    attn = jax.eval_shape(lambda p, x: WindowAttention(full).apply(
+        {"params": p}, x, jnp.zeros((b, 5), jnp.int32), jnp.zeros((b, 128, 512), jnp.bfloat16),
+        jnp.zeros((b,), jnp.int32)), ap["blocks_0"]["attn"], sds((b, 5, 5120), jnp.bfloat16))
+    assert attn.shape == (b, 5, 5120)
+    out = jax.eval_shape(lambda p, t, s: draft.propose(p, t, full, s, jnp.zeros((b,), jnp.int32),
+                                                       sampling.SamplingParams.greedy(b), jnp.zeros((b,), jnp.uint32)),
+                         ap, tied, st)
+    assert out.tokens.shape == (b, 5) and out.logits.shape == (b, 5, 129280) and out.logits.dtype == jnp.float32
+    assert out.markov_emb.shape == (b, 5, 256) and out.conf_logits.shape == (b, 5)
+    assert out.hidden.shape == (b, 5, 5120)
+
+
+def test_fused_sampler_path_equals_generic_loop():
+    """filtering=False routes the Markov loop through the kernel dispatcher; same tokens, same logits."""
+    params, tied = tiny()
+    st = _state(params, [4, 30, 17])
+    sp = sampling.SamplingParams.make(3, temperature=[0.0, 1.0, 0.6])
+    args = (params, tied, CFG, st, jnp.array([3, 4, 5]), sp, jnp.array([7, 8, 9], jnp.uint32))
+    ref = draft.propose(*args, impl="xla", filtering=True)
+    for impl in ("xla", "pallas"):
+        out = draft.propose(*args, impl=impl, filtering=False)
+        np.testing.assert_array_equal(out.tokens, ref.tokens)
+        np.testing.assert_allclose(out.logits, ref.logits, atol=1e-5)
+        np.testing.assert_allclose(out.conf_logits, ref.conf_logits, atol=1e-5)
+
+
+def test_expert_parallel_equals_one_device():
+    from dspark_jax.parallel import batch_sharding, make_mesh
+
+    assert jax.device_count() >= 8
+    params, tied = tiny()
+    st = _state(params, [4, 30, 9, 17])
+    anchor = jnp.array([3, 4, 5, 6])
+    sp = sampling.SamplingParams.make(4, temperature=[0.0, 1.0, 0.6, 1.2])
+    seeds = jnp.arange(4, dtype=jnp.uint32)
+    f = jax.jit(lambda p, s, a: draft.propose(p, tied, CFG, s, a, sp, seeds, impl="xla"))
+    one = jax.device_get(f(params, st, anchor))
+
+    mesh = make_mesh(data=2, expert=4)
+    shardings = draft.param_shardings(CFG, mesh)
+    sharded = jax.device_put(params, shardings)
+    w1 = sharded["blocks_0"]["ffn"]["experts"]["w1"]
+    assert all(s.data.shape[0] == CFG.n_routed_experts // 4 for s in w1.addressable_shards)
+    st_sh = draft.DraftState(jax.device_put(st.ring, jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(None, "data"))), jax.device_put(st.length, batch_sharding(mesh, 1)))
+    anchor_sh = jax.device_put(anchor, batch_sharding(mesh, 1))
+    out = jax.device_get(f(sharded, st_sh, anchor_sh))
+    np.testing.assert_array_equal(out.tokens, one.tokens)
+    np.testing.assert_allclose(out.logits, one.logits, atol=1e-5)
+    np.testing.assert_allclose(out.conf_logits, one.conf_logits, atol=1e-5)
+    hlo = f.lower(sharded, st_sh, anchor_sh).compile().as_text()
+    assert any(c in hlo for c in ("all-reduce", "all-to-all", "reduce-scatter", "all-gather")), \
+        "no collective between expert shards in the compiled program"
