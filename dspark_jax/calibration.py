@@ -232,7 +232,7 @@ def fit_sts(conf_logits, num_accepted, num_verified, *, bins: int = 20, grid=Non
     grid: positive temperatures (default `default_grid()`, 0.05..20 with 1.0 included).
     """
     z = _check_records(conf_logits, num_accepted, num_verified)
-    if not isinstance(bins, int) or bins < 1:
+    if isinstance(bins, bool) or not isinstance(bins, (int, np.integer)) or bins < 1:
         raise ValueError(f"bins: expected an integer >= 1, got {bins!r}")
     grid = default_grid() if grid is None else np.asarray(grid, np.float64).reshape(-1)
     if grid.size == 0 or not np.all(np.isfinite(grid)) or np.any(grid <= 0):

@@ -173,7 +173,8 @@ def _validate_table(batch_tokens, steps_per_sec, max_batch_tokens):
     if max_batch_tokens is None:
         max_bt = int(bt[-1])
     else:
-        if isinstance(max_batch_tokens, bool) or not float(max_batch_tokens).is_integer():
+        if (isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, (int, float, np.number))
+                or not float(max_batch_tokens).is_integer()):
             raise ValueError(f"max_batch_tokens: expected an integer, got {max_batch_tokens!r}")
         max_bt = int(max_batch_tokens)
         if max_bt < bt[-1]:
@@ -205,6 +206,16 @@ def _active_and_caps(num_rows: int, num_drafts, k: int):
         return jnp.ones((num_rows,), bool), jnp.full((num_rows,), k, jnp.int32)
     n = jnp.asarray(num_drafts, jnp.int32)
     return n >= 0, jnp.clip(n, 0, k)
+
+
+def _check_shapes(conf, num_drafts, conf_lagged=None):
+    """Shape errors at trace time, naming the argument (shapes are static, so this costs nothing)."""
+    if jnp.ndim(conf) != 2:
+        raise ValueError(f"conf: expected f32[R, K] conditional confidences, got shape {jnp.shape(conf)}")
+    if conf_lagged is not None and jnp.shape(conf_lagged) != jnp.shape(conf):
+        raise ValueError(f"conf_lagged: expected the shape of conf_now {jnp.shape(conf)}, got {jnp.shape(conf_lagged)}")
+    if num_drafts is not None and jnp.shape(num_drafts) != jnp.shape(conf)[:1]:
+        raise ValueError(f"num_drafts: expected i32[{jnp.shape(conf)[0]}], got shape {jnp.shape(num_drafts)}")
 
 
 def _candidates(conf, num_drafts):
@@ -243,6 +254,7 @@ def schedule_sync(conf: jax.Array, table: CostTable, num_drafts: jax.Array | Non
     search. The stop is the lossless part: a search that looked further would let a draft's own sampled
     value (through the confidences after it) decide whether it is verified.
     """
+    _check_shapes(conf, num_drafts)
     num_rows, k = conf.shape
     a_flat, base = _candidates(conf, num_drafts)
     order = jnp.argsort(-a_flat, stable=True)
@@ -272,6 +284,7 @@ def async_capacity(conf_lagged: jax.Array, table: CostTable, min_gain: float = 0
     RELATIVE predicted gain (0.05 = speculate only if it is predicted to pay at least 5%). The guard uses
     the lagged prediction only; a guard on the current drafts would leak them like a global search does.
     """
+    _check_shapes(conf_lagged, num_drafts)
     a_flat, base = _candidates(conf_lagged, num_drafts)
     gains = jnp.maximum(-jnp.sort(-a_flat), 0.0)  # descending; non-candidates add nothing
     tau = base + jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(gains)])
@@ -292,6 +305,7 @@ def schedule_async(conf_now: jax.Array, conf_lagged: jax.Array, table: CostTable
     (r, k) in the top C depends only on a_{r,<=k} and on other requests, so it stays lossless. Since
     R_active + C never exceeds max_batch_tokens (SPS is 0 above it), neither does the admitted batch.
     """
+    _check_shapes(conf_now, num_drafts, conf_lagged)
     num_rows, k = conf_now.shape
     capacity = async_capacity(conf_lagged, table, min_gain, num_drafts)
     a_flat, _ = _candidates(conf_now, num_drafts)

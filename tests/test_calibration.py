@@ -20,9 +20,10 @@ def simulate_rounds(seed, n, temps, mu=2.5, sd=3.0):
     """Synthetic held-out rounds with known temperatures.
 
     Raw logits z ~ N(mu, sd); the true conditional acceptance of draft k is sigmoid(z_k / T_k) and
-    drafts are accepted left to right until the first rejection. The verify length m is chosen BEFORE
-    the outcome, like a scheduler would: the longest prefix whose raw (uncalibrated) survival clears a
-    random threshold, or all K in 30% of rounds. So m depends on z (allowed) but never on the outcome.
+    drafts are accepted left to right until the first rejection. The verify length m is fixed BEFORE
+    the outcome, like a serving engine would: all K in 30% of rounds, by confidence in 35% (the longest
+    prefix whose raw survival clears a random threshold) and by load in 35% (uniform in 0..K, blind to
+    the request). So m may depend on z, never on the outcome.
     """
     rng = np.random.default_rng(seed)
     k = len(temps)
@@ -30,8 +31,10 @@ def simulate_rounds(seed, n, temps, mu=2.5, sd=3.0):
     accept_prob = 1.0 / (1.0 + np.exp(-z / np.asarray(temps)))
     accepted = np.cumprod(rng.random((n, k)) < accept_prob, axis=1).sum(axis=1)
     raw_survival = np.cumprod(1.0 / (1.0 + np.exp(-z)), axis=1)
-    verified = (raw_survival >= rng.uniform(0.0, 0.5, size=n)[:, None]).sum(axis=1)
-    verified = np.where(rng.random(n) < 0.3, k, verified)
+    by_confidence = (raw_survival >= rng.uniform(0.0, 0.5, size=n)[:, None]).sum(axis=1)
+    by_load = rng.integers(0, k + 1, size=n)
+    kind = rng.random(n)
+    verified = np.where(kind < 0.3, k, np.where(kind < 0.65, by_confidence, by_load))
     return z.astype(np.float32), np.minimum(accepted, verified), verified
 
 
@@ -111,6 +114,15 @@ def test_outcome_selected_lengths_bias_the_fit(rounds):
     z, n, m = rounds
     biased = fit_sts(z, n, np.minimum(m, n + 1))
     rel_err = np.abs(np.asarray(biased.temperatures) / TRUE_TEMPS - 1.0)
+    assert rel_err.max() > 0.3, rel_err
+
+
+def test_unverified_positions_are_not_failures(rounds):
+    """Negative control: pretending every round verified all K drafts turns each unverified position
+    into a rejection, and the fit drifts far from the truth."""
+    z, n, m = rounds
+    wrong = fit_sts(z, n, np.full_like(m, z.shape[1]))
+    rel_err = np.abs(np.asarray(wrong.temperatures) / TRUE_TEMPS - 1.0)
     assert rel_err.max() > 0.3, rel_err
 
 

@@ -214,6 +214,7 @@ def test_monotone_repair_warns_and_takes_suffix_max():
     ({"sample_batch_tokens": [1, 4], "sample_steps_per_sec": ["fast", 1.0]}, "lists of numbers"),
     ({"sample_batch_tokens": [1, 4], "sample_steps_per_sec": [2.0, 1.0], "max_batch_tokens": 3}, "max_batch_tokens"),
     ({"sample_batch_tokens": [1, 4], "sample_steps_per_sec": [2.0, 1.0], "max_batch_tokens": 6.5}, "max_batch_tokens"),
+    ({"sample_batch_tokens": [1, 4], "sample_steps_per_sec": [2.0, 1.0], "max_batch_tokens": "8"}, "max_batch_tokens"),
     ([1, 2, 3], "JSON object"),
 ])
 def test_malformed_tables_name_the_field(data, field):
@@ -244,7 +245,7 @@ def appendix_table():
 def test_appendix_a_sync_stops_at_position_one(c2):
     conf = jnp.array([[0.8, c2]], jnp.float32)
     # Theta(l=1) = 1.8 * 0.5 = 0.9 < 1.0 = Theta(l=0): Algorithm 1 stops before seeing c_2
-    assert np.asarray(schedule_sync(conf, appendix_table())).tolist() == [0]
+    assert np.asarray(jax.jit(schedule_sync)(conf, appendix_table())).tolist() == [0]
     assert sync_ref(np.asarray(conf), APPENDIX_TABLE) == [0]
 
 
@@ -305,10 +306,11 @@ def test_async_capacity_is_bruteforce_argmax_and_admits_top_c(dyadic):
 def test_min_gain_guard_is_relative():
     table = CostTable([1, 2], [1.0, 0.75])  # Theta(0) = 1, Theta(1) = 1.5 * 0.75 = 1.125: +12.5%
     conf = jnp.array([[0.5]], jnp.float32)
-    assert int(async_capacity(conf, table, 0.0)) == 1
-    assert int(async_capacity(conf, table, 0.1)) == 1
-    assert int(async_capacity(conf, table, 0.125)) == 0  # not strictly above the guard
-    assert np.asarray(schedule_async(conf, conf, table, 0.2)).tolist() == [0]
+    capacity = jax.jit(async_capacity)
+    assert int(capacity(conf, table, 0.0)) == 1
+    assert int(capacity(conf, table, 0.1)) == 1
+    assert int(capacity(conf, table, 0.125)) == 0  # not strictly above the guard
+    assert np.asarray(jax.jit(schedule_async)(conf, conf, table, 0.2)).tolist() == [0]
 
 
 def test_bounds_padding_and_batch_limit():
@@ -336,8 +338,18 @@ def test_bounds_padding_and_batch_limit():
     # more active requests than the batch allows: verify nothing
     table = CostTable([1, 4], [1.0, 0.5], 4)
     conf = jnp.full((6, 3), 0.99)
-    assert np.asarray(schedule_sync(conf, table)).tolist() == [0] * 6
-    assert np.asarray(schedule_async(conf, conf, table)).tolist() == [0] * 6
+    assert np.asarray(jax.jit(schedule_sync)(conf, table)).tolist() == [0] * 6
+    assert np.asarray(jax.jit(schedule_async)(conf, conf, table)).tolist() == [0] * 6
+
+
+def test_shape_errors_name_the_argument():
+    table = appendix_table()
+    with pytest.raises(ValueError, match="conf: expected"):
+        schedule_sync(jnp.zeros((3,)), table)
+    with pytest.raises(ValueError, match="num_drafts"):
+        schedule_sync(jnp.zeros((3, 2)), table, jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="conf_lagged"):
+        schedule_async(jnp.zeros((3, 2)), jnp.zeros((2, 2)), table)
 
 
 def test_expected_throughput_counts_active_rows_only():
