@@ -1,0 +1,157 @@
+"""A model bundle: everything `dspark generate` / `dspark demo` need, in one folder.
+
+    bundle.json            {"backbone": {"family": "mhc"|"qwen3", "config": {...}},
+                            "draft": {...DSparkConfig...}, "tap_mode": "entry"}
+    backbone.safetensors   the backbone's param tree, keys joined with "."
+    draft.safetensors      the draft's param tree (docs/params.md), keys joined with "."
+    calibration.json       optional STS temperatures (dspark calibrate)
+    cost_table.json        optional measured cost table (dspark profile)
+    tokenizer.json         optional `tokenizers` tokenizer
+
+Loading is strict: every parameter the configs imply must be present with its shape, and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax import draft as draft_lib
+from dspark_jax import spec_round as sr
+from dspark_jax.calibration import Calibration
+from dspark_jax.checkpoint.safetensors_io import CheckpointError, open_checkpoint, save_file
+from dspark_jax.config import DSparkConfig
+from dspark_jax.schedule import CostTable
+
+
+def backbone_families():
+    from dspark_jax.backbones.mhc import MhcBackbone, MhcConfig
+    from dspark_jax.backbones.qwen3 import Qwen3Backbone, Qwen3Config
+
+    return {
+        "mhc": (MhcBackbone, MhcConfig.from_dict, lambda c: c.to_dict()),
+        "qwen3": (Qwen3Backbone, Qwen3Config.from_hf_dict, lambda c: c.to_hf_dict()),
+    }
+
+
+def make_backbone(family: str, config: dict):
+    fams = backbone_families()
+    if family not in fams:
+        raise ValueError(f"backbone 'family': expected one of {sorted(fams)}, got {family!r}")
+    cls, from_dict, _ = fams[family]
+    return cls(from_dict(config))
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, name + "."))
+        else:
+            out[name] = v
+    return out
+
+
+def unflatten_strict(flat_reader, abstract: dict, what: str) -> dict:
+    """Read every leaf of `abstract` from the reader by its dotted name; names and shapes must match."""
+    want = flatten(abstract)
+    have = set(flat_reader.names)
+    missing = sorted(set(want) - have)
+    extra = sorted(have - set(want))
+    if missing:
+        raise CheckpointError(f"{what}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if extra:
+        raise CheckpointError(f"{what}: unexpected tensor(s) {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    flat = {}
+    for name, spec in want.items():
+        arr = flat_reader.read(name)
+        if tuple(arr.shape) != tuple(spec.shape):
+            raise CheckpointError(f"{what}: tensor '{name}' has shape {tuple(arr.shape)}, expected {tuple(spec.shape)}")
+        flat[name] = jnp.asarray(arr, spec.dtype)
+    out: dict = {}
+    for name, arr in flat.items():
+        node = out
+        *path, leaf = name.split(".")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[leaf] = arr
+    return out
+
+
+@dataclasses.dataclass
+class Bundle:
+    model: sr.SpecModel
+    weights: sr.Weights
+    backbone_family: str
+    calibration: Calibration | None = None
+    cost_table: CostTable | None = None
+    tokenizer: Any = None
+    path: Path | None = None
+
+
+def save_bundle(path, *, backbone_family: str, backbone, backbone_params, draft_cfg: DSparkConfig, draft_params,
+                tap_mode: str = "entry", calibration: Calibration | None = None,
+                cost_table: CostTable | None = None, tokenizer_json: str | None = None) -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    to_dict = backbone_families()[backbone_family][2]
+    meta = {"backbone": {"family": backbone_family, "config": to_dict(backbone.cfg)},
+            "draft": draft_cfg.to_dict(), "tap_mode": tap_mode}
+    (path / "bundle.json").write_text(json.dumps(meta, indent=2) + "\n")
+    save_file(path / "backbone.safetensors", {k: np.asarray(v) for k, v in flatten(backbone_params).items()})
+    save_file(path / "draft.safetensors", {k: np.asarray(v) for k, v in flatten(draft_params).items()})
+    if calibration is not None:
+        calibration.save(path / "calibration.json")
+    if cost_table is not None:
+        cost_table.to_json(path / "cost_table.json")
+    if tokenizer_json is not None:
+        (path / "tokenizer.json").write_text(tokenizer_json)
+    return path
+
+
+def load_bundle(path, *, impl: str = "auto") -> Bundle:
+    path = Path(path)
+    meta_path = path / "bundle.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{path}: not a dspark bundle (no bundle.json)")
+    meta = json.loads(meta_path.read_text())
+    for key in ("backbone", "draft"):
+        if key not in meta:
+            raise ValueError(f"{meta_path}: missing key '{key}'")
+    family = meta["backbone"].get("family")
+    backbone = make_backbone(family, meta["backbone"].get("config", {}))
+    cfg = DSparkConfig.from_dict(meta["draft"])
+    bparams = unflatten_strict(open_checkpoint(path / "backbone.safetensors"), backbone.abstract_params(),
+                               f"{path / 'backbone.safetensors'}")
+    dparams = unflatten_strict(open_checkpoint(path / "draft.safetensors"), draft_lib.abstract_params(cfg),
+                               f"{path / 'draft.safetensors'}")
+    calibration = Calibration.load(path / "calibration.json") if (path / "calibration.json").is_file() else None
+    table = CostTable.from_json(path / "cost_table.json") if (path / "cost_table.json").is_file() else None
+    tokenizer = None
+    if (path / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    temps = jnp.asarray(calibration.temperatures if calibration else np.ones(cfg.block_size), jnp.float32)
+    model = sr.SpecModel(backbone, cfg, tap_mode=meta.get("tap_mode", "entry"), impl=impl)
+    weights = sr.Weights(bparams, dparams, backbone.tied(bparams), temps)
+    return Bundle(model, weights, family, calibration, table, tokenizer, path)
+
+
+def random_bundle(backbone_config_path, draft_config_path, *, family: str = "mhc", seed: int = 0) -> Bundle:
+    """Random weights for the given configs (tests, and the demo before a trained default exists)."""
+    raw = json.loads(Path(backbone_config_path).read_text())
+    backbone = make_backbone(family, raw)
+    cfg = DSparkConfig.from_json(draft_config_path)
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    bparams = backbone.init_params(k1)
+    dparams = draft_lib.init_params(cfg, k2)
+    model = sr.SpecModel(backbone, cfg)
+    return Bundle(model, sr.Weights(bparams, dparams, backbone.tied(bparams), jnp.ones(cfg.block_size)), family)

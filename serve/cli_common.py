@@ -1,0 +1,34 @@
+"""Model selection shared by the serving subcommands."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bundle", help="model bundle folder (bundle.json + safetensors); default: the "
+                                         "embedded default model if present")
+    parser.add_argument("--random-tiny", action="store_true",
+                        help="use the tiny configs with RANDOM weights (plumbing checks only; no real acceptance)")
+    parser.add_argument("--impl", default="auto", choices=("auto", "pallas", "xla"), help="kernel dispatch")
+
+
+def default_bundle_path() -> Path | None:
+    from dspark_jax import assets
+
+    return assets.default_bundle_path()
+
+
+def load_model(args):
+    from dspark_jax.bundle import load_bundle, random_bundle
+
+    if args.random_tiny:
+        print("NOTE: random weights on the tiny configs: acceptance and text are meaningless.")
+        return random_bundle(CONFIGS / "tiny_mhc_backbone.json", CONFIGS / "tiny_v41.json")
+    path = args.bundle or default_bundle_path()
+    if path is None:
+        raise SystemExit("no model: pass --bundle DIR (or --random-tiny for a plumbing check)")
+    return load_bundle(path, impl=args.impl)
