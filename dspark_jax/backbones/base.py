@@ -1,0 +1,216 @@
+"""The backbone (target model) interface the speculative round and the trainer run against.
+
+A backbone family is one class holding a frozen config; everything else is explicit:
+
+    bb = Qwen3Backbone(cfg)
+    params = bb.init_params(key)                 # or a loader's params
+    cache = bb.init_cache(batch, max_len)        # a pytree; `cache.length` i32[B] always present
+    out = bb.forward(params, cache, tokens, taps=(1, 3), tap_mode="entry")
+    cache = bb.commit(out.cache, n_accepted)     # only now does the committed length move
+
+Position bookkeeping: token t of row b sits at absolute position `cache.length[b] + t`. Its query sees
+the committed cache positions `< length[b]` and the new tokens up to and including itself. `forward`
+writes the new keys/values at `length .. length+T-1` (writes past `max_len` are dropped, never wrap
+and never touch another row) but leaves `length` alone. `commit(cache, n)` advances it by `n <= T`;
+entries written beyond the new length are masked out of every later query (a query at position p
+sees keys at positions <= p only, and every position in `[length, p]` is rewritten by the call that
+makes it visible), so rejected draft positions roll back for free.
+
+Taps (the features a draft reads): with `tap_mode="entry"` tap i is the residual stream at the
+ENTRY of layer i (layer 0's entry = the embeddings; V4.1 convention); with `"output"` tap i is the
+OUTPUT of layer i and -1 means the embeddings (DeepSpec convention). Multi-stream (mHC) residuals are
+reduced by the plain mean over streams. Taps are concatenated in the order given: `[B, T, n_taps*D]`.
+
+The layers run as one `lax.scan` over layer-stacked params (leading "layers" axis), so compile time
+does not grow with depth. Taps are selected inside the scan into an `[n_taps, B, T, D]` carry rather
+than by stacking every layer's residual and gathering afterwards: same numbers, but the memory cost
+is n_taps residuals instead of n_layers (it matters for long prefills of deep backbones).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+TAP_MODES = ("entry", "output")
+
+PyTree = Any
+
+
+class BackboneOutput(NamedTuple):
+    logits: jax.Array  # f32[B, T, V]
+    taps: jax.Array  # [B, T, n_taps * D]; [B, T, 0] when no taps were requested
+    cache: PyTree  # the input cache with this call's entries written; `length` NOT advanced
+
+
+class Backbone(abc.ABC):
+    """Base class of a backbone family. Subclasses set `cfg` and implement the abstract methods."""
+
+    cfg: Any
+
+    # ---- shape facts every family exposes --------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def dim(self) -> int:
+        """Width D of one residual stream (and of one tap)."""
+
+    @property
+    @abc.abstractmethod
+    def n_layers(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int: ...
+
+    # ---- parameters ------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _boxed_init(self, key: jax.Array) -> PyTree:
+        """Parameters with their logical-axis boxes (`nn.LogicallyPartitioned` leaves)."""
+
+    def init_params(self, key: jax.Array) -> PyTree:
+        """Random parameters as a plain pytree of arrays (logical names: see `logical_axes`)."""
+        return nn.unbox(self._boxed_init(key))
+
+    def abstract_params(self) -> PyTree:
+        """`jax.ShapeDtypeStruct`s of the parameters, no memory allocated (`jax.eval_shape`)."""
+        return nn.unbox(jax.eval_shape(self._boxed_init, jax.random.key(0)))
+
+    def logical_axes(self) -> PyTree:
+        """Same tree as the params, each leaf a `PartitionSpec` of logical axis names."""
+        return nn.get_partition_spec(jax.eval_shape(self._boxed_init, jax.random.key(0)))
+
+    # ---- the contract ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def init_cache(self, batch: int, max_len: int) -> PyTree: ...
+
+    @abc.abstractmethod
+    def forward(self, params: PyTree, cache: PyTree, tokens: jax.Array, *, taps: tuple[int, ...] = (),
+                tap_mode: str = "entry") -> BackboneOutput: ...
+
+    @abc.abstractmethod
+    def tied(self, params: PyTree) -> dict[str, jax.Array]:
+        """{"embed": [V, D], "head": [V, D]}: the embedding and LM head a draft shares."""
+
+    @abc.abstractmethod
+    def embed(self, params: PyTree, ids: jax.Array) -> jax.Array:
+        """Token embeddings [..., D] in the compute dtype (one stream; no hc expansion)."""
+
+    def commit(self, cache: PyTree, n: jax.Array) -> PyTree:
+        """Advance each row's committed length by `n` i32[B] (0 <= n <= tokens written last call)."""
+        n = jnp.asarray(n)
+        if n.shape != cache.length.shape:
+            raise ValueError(f"commit: 'n' must have shape {cache.length.shape} (one count per row), "
+                             f"got {n.shape}")
+        return cache._replace(length=cache.length + n.astype(jnp.int32))
+
+    # ---- helpers shared by the families -----------------------------------------------------------
+    def _check_call(self, cache: PyTree, tokens: jax.Array, taps: tuple[int, ...], tap_mode: str
+                    ) -> tuple[int, ...]:
+        """Validate a forward call (host side, shapes only) and return the tap STATE ids (see below)."""
+        if tokens.ndim != 2:
+            raise ValueError(f"forward: 'tokens' must be i32[B, T], got shape {tokens.shape}")
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"forward: 'tokens' must be an integer array, got dtype {tokens.dtype}")
+        if tokens.shape[0] != cache.length.shape[0]:
+            raise ValueError(f"forward: 'tokens' has batch {tokens.shape[0]} but the cache was built for "
+                             f"batch {cache.length.shape[0]}")
+        return tap_state_ids(taps, tap_mode, self.n_layers)
+
+
+def tap_state_ids(taps: tuple[int, ...], tap_mode: str, n_layers: int) -> tuple[int, ...]:
+    """Map requested taps to residual STATE ids: state s = entry of layer s = output of layer s-1
+    (state 0 = embeddings, state n_layers = the last layer's output, before the final norm)."""
+    if tap_mode not in TAP_MODES:
+        raise ValueError(f"forward: 'tap_mode' must be one of {TAP_MODES}, got {tap_mode!r}")
+    try:
+        taps = tuple(int(t) for t in taps)
+    except TypeError:
+        raise ValueError(f"forward: 'taps' must be a tuple of layer ids, got {taps!r}") from None
+    if tap_mode == "entry":
+        lo, hi, shift = 0, n_layers - 1, 0
+    else:
+        lo, hi, shift = -1, n_layers - 1, 1
+    bad = [t for t in taps if not lo <= t <= hi]
+    if bad:
+        raise ValueError(f"forward: 'taps' {bad} out of range for tap_mode={tap_mode!r} with {n_layers} layers "
+                         f"(expected layer ids in [{lo}, {hi}])")
+    return tuple(t + shift for t in taps)
+
+
+def record_taps(buf: jax.Array, state: jax.Array, state_id, tap_states: tuple[int, ...]) -> jax.Array:
+    """Inside the layer scan: store `state` [B, T, D] into every slot of `buf` [n_taps, B, T, D] whose
+    tap asks for residual state `state_id` (a traced scalar)."""
+    if not tap_states:
+        return buf
+    want = jnp.asarray(tap_states, jnp.int32) == state_id
+    return jnp.where(want[:, None, None, None], state[None].astype(buf.dtype), buf)
+
+
+def taps_to_features(buf: jax.Array, batch: int, length: int, dtype) -> jax.Array:
+    """[n_taps, B, T, D] -> [B, T, n_taps*D] in tap order (an empty [B, T, 0] when there are none)."""
+    if buf.shape[0] == 0:
+        return jnp.zeros((batch, length, 0), dtype)
+    return jnp.moveaxis(buf, 0, 2).reshape(batch, length, -1)
+
+
+def query_positions(length: jax.Array, t: int) -> jax.Array:
+    """Absolute positions i32[B, T] of this call's tokens."""
+    return length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+
+def cache_visibility(positions: jax.Array, max_len: int) -> tuple[jax.Array, jax.Array]:
+    """-> (visible bool[B, T, S], written bool[B, S]).
+
+    Cache slot s is visible to the query at `positions[b, t]` iff s <= that position: slots below the
+    committed length hold committed tokens, slots from the committed length up to the query's own
+    position were (re)written by this very call, so stale rolled-back entries never show. `written`
+    marks the slots holding this row's committed or just-written entries (s < length + T); the rest
+    may hold anything (a previous request's leftovers, even non-finite values) and are zeroed before
+    use so that masked garbage cannot leak through 0 * inf."""
+    slots = jnp.arange(max_len, dtype=jnp.int32)
+    visible = slots[None, None, :] <= positions[:, :, None]
+    written = slots[None, :] <= positions[:, -1:]
+    return visible, written
+
+
+def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, written: jax.Array, *,
+                    scale: float, sink: jax.Array | None = None) -> jax.Array:
+    """Grouped-query attention of this call's queries over one layer's cache (f32 math).
+
+    q [B, T, H, hd]; k, v [B, S, Hkv, hd] (H a multiple of Hkv; MQA: Hkv = 1, and k may be v);
+    visible bool[B, T, S]; written bool[B, S]; sink f32[H] or None: an extra per-head logit in the
+    softmax denominator that carries no value (V4.1). -> o [B, T, H, hd] in q's dtype.
+    """
+    b, t, h, hd = q.shape
+    hkv = k.shape[2]
+    f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
+    keep = written[:, :, None, None]
+    kf = jnp.where(keep, k.astype(f32), 0.0)
+    vf = kf if v is k else jnp.where(keep, v.astype(f32), 0.0)
+    qg = q.astype(f32).reshape(b, t, hkv, h // hkv, hd)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, kf, precision=hi) * scale
+    s = jnp.where(visible[:, None, None, :, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    if sink is not None:
+        sink_ = sink.astype(f32).reshape(1, hkv, h // hkv, 1, 1)
+        m = jnp.maximum(m, sink_)
+    p = jnp.exp(s - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + jnp.exp(sink_ - m)
+    o = jnp.einsum("bkgts,bskd->btkgd", p / denom, vf, precision=hi)
+    return o.reshape(b, t, h, hd).astype(q.dtype)
+
+
+def write_rows(store: jax.Array, layer, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """store [L, B, S, ...] <- new [B, T, ...] at (layer, b, positions[b, t]); out-of-range dropped."""
+    b = jnp.arange(new.shape[0], dtype=jnp.int32)[:, None]
+    return store.at[layer, b, positions].set(new.astype(store.dtype), mode="drop")
+
+
+def as_dtype(name: str):
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]

@@ -1,0 +1,476 @@
+"""A Qwen3-architecture decoder as a DSpark backbone (target model of the DeepSpec draft family).
+
+Architecture (Hugging Face `Qwen3ForCausalLM`): token embedding; per layer
+`x += o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v))` on `input_layernorm(x)` (GQA; q/k RMSNorm per
+head BEFORE RoPE; split-half "rotate_half" RoPE with rope_theta) and `x += down(silu(gate) * up)` on
+`post_attention_layernorm(x)`; final RMSNorm; LM head tied to the embedding or not
+(`tie_word_embeddings`). No biases, no sliding window, no rope scaling (rejected when configured).
+
+Parameter tree (layer params stacked on a leading "layers" axis; kernels [in, out]):
+```
+embed                      [V, D]            (vocab, embed)     model.embed_tokens.weight
+layers.attn_norm.scale     [L, D]            (layers, norm)     model.layers.{i}.input_layernorm.weight
+layers.q_proj.kernel       [L, D, H*hd]      (layers, embed, heads)      ...self_attn.q_proj.weight [H*hd, D]
+layers.k_proj.kernel       [L, D, Hkv*hd]    (layers, embed, kv_heads)   ...self_attn.k_proj.weight
+layers.v_proj.kernel       [L, D, Hkv*hd]    (layers, embed, kv_heads)   ...self_attn.v_proj.weight
+layers.o_proj.kernel       [L, H*hd, D]      (layers, heads, embed)      ...self_attn.o_proj.weight [D, H*hd]
+layers.q_norm.scale        [L, hd]           (layers, head_dim)          ...self_attn.q_norm.weight
+layers.k_norm.scale        [L, hd]           (layers, head_dim)          ...self_attn.k_norm.weight
+layers.ffn_norm.scale      [L, D]            (layers, norm)     ...post_attention_layernorm.weight
+layers.gate_proj.kernel    [L, D, F]         (layers, embed, mlp)        ...mlp.gate_proj.weight [F, D]
+layers.up_proj.kernel      [L, D, F]         (layers, embed, mlp)        ...mlp.up_proj.weight [F, D]
+layers.down_proj.kernel    [L, F, D]         (layers, mlp, embed)        ...mlp.down_proj.weight [D, F]
+norm.scale                 [D]               (norm,)            model.norm.weight
+lm_head                    [V, D]            (vocab, embed)     lm_head.weight   (absent when tied)
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.backbones.base import (Backbone, BackboneOutput, as_dtype, cache_attention, cache_visibility,
+                                       query_positions, record_taps, taps_to_features, write_rows)
+from dspark_jax.checkpoint.safetensors_io import CheckpointError, open_checkpoint
+from dspark_jax.config import ConfigError
+from dspark_jax.nn.linear import Linear
+from dspark_jax.nn.norm import RMSNorm, rms_norm
+from dspark_jax.nn.params import param
+from dspark_jax.nn.rope import rope_frequencies
+
+DTYPES = ("float32", "bfloat16")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """A Qwen3 backbone; field names are the Hugging Face config.json keys (plus our dtypes)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+
+    @property
+    def dim(self) -> int:
+        return self.hidden_size
+
+    @property
+    def n_layers(self) -> int:
+        return self.num_hidden_layers
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "a positive integer", v)
+        _check(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+               f"a divisor of num_attention_heads={self.num_attention_heads}", self.num_key_value_heads)
+        _check(self.head_dim % 2 == 0, "head_dim", "an even number (RoPE rotates pairs)", self.head_dim)
+        _check(_is_num(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1, "rms_norm_eps", "a number in (0, 1)",
+               self.rms_norm_eps)
+        _check(_is_num(self.rope_theta) and self.rope_theta > 1, "rope_theta", "a number > 1", self.rope_theta)
+        _check(isinstance(self.tie_word_embeddings, bool), "tie_word_embeddings", "true or false",
+               self.tie_word_embeddings)
+        for name in ("param_dtype", "compute_dtype"):
+            _check(getattr(self, name) in DTYPES, name, f"one of {DTYPES}", getattr(self, name))
+
+    # ---- Hugging Face config.json -----------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], **overrides) -> "Qwen3Config":
+        """Read a Hugging Face Qwen3 `config.json` dict; `overrides` set our own fields (dtypes)."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"expected a JSON object, got {type(raw).__name__}")
+        mt = raw.get("model_type", "qwen3")
+        if mt != "qwen3":
+            raise ConfigError(f"config field 'model_type': expected 'qwen3', got {mt!r}"
+                              + (" (Qwen3-MoE is not supported)" if mt == "qwen3_moe" else ""))
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in raw:
+                raise ConfigError(f"config field '{key}' is missing (required for a Qwen3 config)")
+        act = raw.get("hidden_act", "silu")
+        _check(act == "silu", "hidden_act", "'silu' (SwiGLU MLP)", act)
+        _check(not raw.get("attention_bias", False), "attention_bias", "false (biased q/k/v/o not implemented)",
+               raw.get("attention_bias"))
+        _check(not raw.get("use_sliding_window", False), "use_sliding_window",
+               "false (sliding-window layers not implemented)", raw.get("use_sliding_window"))
+        bad_layers = [t for t in raw.get("layer_types") or () if t != "full_attention"]
+        _check(not bad_layers, "layer_types", "only 'full_attention' layers", bad_layers)
+        values = {k: raw[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                      "num_attention_heads")}
+        heads = raw["num_attention_heads"]
+        values["num_key_value_heads"] = raw.get("num_key_value_heads") or heads
+        head_dim = raw.get("head_dim")
+        if head_dim is None:  # HF default
+            hs = raw["hidden_size"]
+            _check(isinstance(heads, int) and heads > 0 and isinstance(hs, int) and hs % heads == 0, "head_dim",
+                   "present, or hidden_size divisible by num_attention_heads", None)
+            head_dim = hs // heads
+        values["head_dim"] = head_dim
+        # param_dtype / compute_dtype are ours (written by `to_hf_dict`; transformers ignores them).
+        for key in ("rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "param_dtype", "compute_dtype"):
+            if key in raw and raw[key] is not None:
+                values[key] = raw[key]
+        values["rope_theta"] = _rope_theta(raw)
+        values.update(overrides)
+        try:
+            return cls(**values)
+        except TypeError as err:
+            raise ConfigError(str(err)) from None
+
+    @classmethod
+    def from_hf_json(cls, path: str | Path, **overrides) -> "Qwen3Config":
+        """Load `config.json` (or the folder holding it)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path} is not valid JSON: {err}") from None
+        try:
+            return cls.from_hf_dict(raw, **overrides)
+        except ConfigError as err:
+            raise ConfigError(f"{path}: {err}") from None
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The Hugging Face config.json spelling (what `transformers.Qwen3Config(**d)` accepts), plus our
+        param_dtype / compute_dtype so that `from_hf_dict(to_hf_dict())` round-trips."""
+        d = dataclasses.asdict(self)
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+                "attention_bias": False, "use_sliding_window": False, "rope_scaling": None, **d}
+
+    def replace(self, **changes) -> "Qwen3Config":
+        return dataclasses.replace(self, **changes)
+
+
+def _rope_theta(raw: dict) -> float:
+    """rope_theta from either spelling (`rope_theta` + `rope_scaling`, or transformers 5's
+    `rope_parameters`); anything but plain RoPE is rejected."""
+    thetas = []
+    for key in ("rope_scaling", "rope_parameters"):
+        spec = raw.get(key)
+        if spec is None:
+            continue
+        if not isinstance(spec, dict):
+            raise ConfigError(f"config field '{key}': expected an object or null, got {spec!r}")
+        kind = spec.get("rope_type", spec.get("type", "default"))
+        if kind != "default":
+            raise ConfigError(f"config field '{key}': rope type {kind!r} is not implemented "
+                              f"(only plain RoPE, rope_type 'default'); got {spec!r}")
+        if "rope_theta" in spec:
+            thetas.append((f"{key}.rope_theta", spec["rope_theta"]))
+    if raw.get("rope_theta") is not None:
+        thetas.append(("rope_theta", raw["rope_theta"]))
+    if not thetas:
+        return 10000.0  # transformers' default
+    if len({v for _, v in thetas}) > 1:
+        raise ConfigError(f"config fields disagree on the RoPE base: {dict(thetas)}")
+    return thetas[0][1]
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check(ok: bool, field: str, expected: str, got: Any) -> None:
+    if not ok:
+        raise ConfigError(f"config field '{field}': expected {expected}, got {got!r}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Math
+# ---------------------------------------------------------------------------------------------------
+
+
+def apply_rope_split_half(x: jax.Array, positions: jax.Array, *, theta: float) -> jax.Array:
+    """RoPE over the whole last axis, split-half convention: dims i and i + d/2 form a pair rotated by
+    pos * theta^(-2i/d) (Llama / Qwen3 "rotate_half"). `positions` broadcasts against x.shape[:-1]."""
+    d = x.shape[-1]
+    angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(d, theta)  # [..., d/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------------------------------
+
+
+class Qwen3Cache(NamedTuple):
+    length: jax.Array  # i32[B] committed positions per row
+    k: jax.Array  # [L, B, S, Hkv, hd] post-norm post-RoPE keys
+    v: jax.Array  # [L, B, S, Hkv, hd]
+
+
+class _Layer(nn.Module):
+    """One decoder layer as a scan body: carry = (x, k cache, v cache, tap buffer)."""
+
+    cfg: Qwen3Config
+    tap_states: tuple[int, ...]
+
+    def setup(self):
+        c = self.cfg
+        lin = dict(param_dtype=c.param_dtype, compute_dtype=c.compute_dtype)
+        h, kv, hd, d, f = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size, c.intermediate_size
+        self.attn_norm = RMSNorm(d, c.rms_norm_eps, c.param_dtype)
+        self.q_proj = Linear(d, h * hd, ("embed", "heads"), **lin)
+        self.k_proj = Linear(d, kv * hd, ("embed", "kv_heads"), **lin)
+        self.v_proj = Linear(d, kv * hd, ("embed", "kv_heads"), **lin)
+        self.o_proj = Linear(h * hd, d, ("heads", "embed"), **lin)
+        self.q_norm = RMSNorm(hd, c.rms_norm_eps, c.param_dtype, axis_name="head_dim")
+        self.k_norm = RMSNorm(hd, c.rms_norm_eps, c.param_dtype, axis_name="head_dim")
+        self.ffn_norm = RMSNorm(d, c.rms_norm_eps, c.param_dtype)
+        self.gate_proj = Linear(d, f, ("embed", "mlp"), **lin)
+        self.up_proj = Linear(d, f, ("embed", "mlp"), **lin)
+        self.down_proj = Linear(f, d, ("mlp", "embed"), **lin)
+
+    def __call__(self, carry, layer, positions, visible, written):
+        c = self.cfg
+        x, k_all, v_all, taps = carry
+        taps = record_taps(taps, x, layer, self.tap_states)
+        b, t, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q_norm(self.q_proj(h).reshape(b, t, c.num_attention_heads, c.head_dim))
+        k = self.k_norm(self.k_proj(h).reshape(b, t, c.num_key_value_heads, c.head_dim))
+        v = self.v_proj(h).reshape(b, t, c.num_key_value_heads, c.head_dim)
+        q = apply_rope_split_half(q, positions[..., None], theta=c.rope_theta)
+        k = apply_rope_split_half(k, positions[..., None], theta=c.rope_theta)
+        k_all = write_rows(k_all, layer, k, positions)
+        v_all = write_rows(v_all, layer, v, positions)
+        o = cache_attention(q, k_all[layer], v_all[layer], visible, written, scale=c.head_dim ** -0.5)
+        x = x + self.o_proj(o.reshape(b, t, -1))
+        h = self.ffn_norm(x)
+        x = x + self.down_proj(jax.nn.silu(self.gate_proj(h)) * self.up_proj(h))
+        return (x, k_all, v_all, taps), None
+
+
+class _Qwen3(nn.Module):
+    cfg: Qwen3Config
+    tap_states: tuple[int, ...] = ()
+
+    @nn.compact
+    def __call__(self, tokens, length, k_cache, v_cache):
+        c = self.cfg
+        cd = as_dtype(c.compute_dtype)
+        b, t = tokens.shape
+        embed = param(self, "embed", nn.initializers.normal(c.hidden_size ** -0.5), (c.vocab_size, c.hidden_size),
+                      c.param_dtype, ("vocab", "embed"))
+        x = jnp.take(embed, tokens, axis=0).astype(cd)
+        positions = query_positions(length, t)
+        max_len = k_cache.shape[2]
+        visible, written = cache_visibility(positions, max_len)
+        taps = jnp.zeros((len(self.tap_states), b, t, c.hidden_size), cd)
+        layers = nn.scan(_Layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                         in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_hidden_layers,
+                         metadata_params={nn.PARTITION_NAME: "layers"})
+        (x, k_cache, v_cache, taps), _ = layers(c, self.tap_states, name="layers")(
+            (x, k_cache, v_cache, taps), jnp.arange(c.num_hidden_layers, dtype=jnp.int32), positions, visible,
+            written)
+        taps = record_taps(taps, x, c.num_hidden_layers, self.tap_states)
+        x = RMSNorm(c.hidden_size, c.rms_norm_eps, c.param_dtype, name="norm")(x)
+        if c.tie_word_embeddings:
+            head = embed
+        else:
+            head = param(self, "lm_head", nn.initializers.normal(c.hidden_size ** -0.5),
+                         (c.vocab_size, c.hidden_size), c.param_dtype, ("vocab", "embed"))
+        logits = jnp.einsum("btd,vd->btv", x, head.astype(cd), preferred_element_type=jnp.float32)
+        return logits, taps, k_cache, v_cache
+
+
+# ---------------------------------------------------------------------------------------------------
+# The backbone
+# ---------------------------------------------------------------------------------------------------
+
+
+class Qwen3Backbone(Backbone):
+    """Qwen3 decoder behind the backbone interface (see `dspark_jax.backbones.base`)."""
+
+    def __init__(self, cfg: Qwen3Config):
+        if not isinstance(cfg, Qwen3Config):
+            raise TypeError(f"Qwen3Backbone needs a Qwen3Config, got {type(cfg).__name__}")
+        self.cfg = cfg
+
+    @property
+    def dim(self) -> int:
+        return self.cfg.hidden_size
+
+    @property
+    def n_layers(self) -> int:
+        return self.cfg.num_hidden_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def _boxed_init(self, key):
+        c = self.cfg
+        kv = jnp.zeros((c.num_hidden_layers, 1, 1, c.num_key_value_heads, c.head_dim), as_dtype(c.compute_dtype))
+        return _Qwen3(c).init(key, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32), kv, kv)["params"]
+
+    def init_params(self, key):
+        return nn.unbox(jax.jit(self._boxed_init)(key))
+
+    def init_cache(self, batch: int, max_len: int) -> Qwen3Cache:
+        c = self.cfg
+        _check_cache_args(batch, max_len, c.max_position_embeddings)
+        shape = (c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim)
+        cd = as_dtype(c.compute_dtype)
+        return Qwen3Cache(jnp.zeros((batch,), jnp.int32), jnp.zeros(shape, cd), jnp.zeros(shape, cd))
+
+    def forward(self, params, cache: Qwen3Cache, tokens, *, taps: tuple[int, ...] = (),
+                tap_mode: str = "entry") -> BackboneOutput:
+        states = self._check_call(cache, tokens, taps, tap_mode)
+        logits, buf, k, v = _Qwen3(self.cfg, states).apply({"params": params}, tokens.astype(jnp.int32),
+                                                           cache.length, cache.k, cache.v)
+        b, t = tokens.shape
+        feats = taps_to_features(buf, b, t, as_dtype(self.cfg.compute_dtype))
+        return BackboneOutput(logits, feats, cache._replace(k=k, v=v))
+
+    def tied(self, params) -> dict[str, jax.Array]:
+        head = params["embed"] if self.cfg.tie_word_embeddings else params["lm_head"]
+        return {"embed": params["embed"], "head": head}
+
+    def embed(self, params, ids) -> jax.Array:
+        return jnp.take(params["embed"], ids, axis=0).astype(as_dtype(self.cfg.compute_dtype))
+
+    def final_norm(self, params, x) -> jax.Array:
+        """The final RMSNorm (what a draft applies before the tied head)."""
+        return rms_norm(x, params["norm"]["scale"], self.cfg.rms_norm_eps)
+
+
+def _check_cache_args(batch, max_len, max_positions):
+    if not (isinstance(batch, int) and batch > 0):
+        raise ValueError(f"init_cache: 'batch' must be a positive integer, got {batch!r}")
+    if not (isinstance(max_len, int) and max_len > 0):
+        raise ValueError(f"init_cache: 'max_len' must be a positive integer, got {max_len!r}")
+    if max_positions is not None and max_len > max_positions:
+        raise ValueError(f"init_cache: 'max_len' {max_len} exceeds the model's max_position_embeddings "
+                         f"{max_positions}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hugging Face checkpoint loading (the name map is data: HF name -> (our path, HF shape, transform))
+# ---------------------------------------------------------------------------------------------------
+
+
+def _t(w: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(w.T)
+
+
+def _same(w: np.ndarray) -> np.ndarray:
+    return w
+
+
+def hf_layer_map(cfg: Qwen3Config) -> list[tuple[str, tuple[str, str], tuple[int, ...], Any]]:
+    """Per-layer tensors: (HF suffix after `model.layers.{i}.`, our (module, leaf), HF shape, HF -> ours)."""
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    h, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    return [
+        ("input_layernorm.weight", ("attn_norm", "scale"), (d,), _same),
+        ("self_attn.q_proj.weight", ("q_proj", "kernel"), (h, d), _t),
+        ("self_attn.k_proj.weight", ("k_proj", "kernel"), (kv, d), _t),
+        ("self_attn.v_proj.weight", ("v_proj", "kernel"), (kv, d), _t),
+        ("self_attn.o_proj.weight", ("o_proj", "kernel"), (d, h), _t),
+        ("self_attn.q_norm.weight", ("q_norm", "scale"), (hd,), _same),
+        ("self_attn.k_norm.weight", ("k_norm", "scale"), (hd,), _same),
+        ("post_attention_layernorm.weight", ("ffn_norm", "scale"), (d,), _same),
+        ("mlp.gate_proj.weight", ("gate_proj", "kernel"), (f, d), _t),
+        ("mlp.up_proj.weight", ("up_proj", "kernel"), (f, d), _t),
+        ("mlp.down_proj.weight", ("down_proj", "kernel"), (d, f), _t),
+    ]
+
+
+def hf_expected_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor name a Qwen3 checkpoint of this config must hold, with its shape."""
+    out = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "model.norm.weight": (cfg.hidden_size,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    for i in range(cfg.num_hidden_layers):
+        for suffix, _, shape, _ in hf_layer_map(cfg):
+            out[f"model.layers.{i}.{suffix}"] = shape
+    return out
+
+
+def load_qwen3_hf(path: str | Path, **overrides) -> tuple[Qwen3Config, dict]:
+    """Load a Hugging Face Qwen3 checkpoint folder (config.json + model.safetensors, or sharded with
+    model.safetensors.index.json) -> (config, params). Strict: a missing, unexpected or mis-shaped tensor
+    raises `CheckpointError` naming it. `overrides` set config fields (e.g. param_dtype="bfloat16")."""
+    path = Path(path)
+    cfg = Qwen3Config.from_hf_json(path / "config.json", **overrides)
+    reader = open_checkpoint(path)
+    want = hf_expected_shapes(cfg)
+    names = set(reader.names)
+    extra = sorted(names - set(want))
+    tied_extra = cfg.tie_word_embeddings and "lm_head.weight" in names
+    if tied_extra:
+        # Some exporters store the tied head anyway; accept it only if it IS the embedding.
+        extra.remove("lm_head.weight")
+        if not np.array_equal(reader.view("lm_head.weight"), reader.view("model.embed_tokens.weight")):
+            raise CheckpointError(f"{path}: tensor 'lm_head.weight' differs from 'model.embed_tokens.weight' "
+                                  "but config.json says tie_word_embeddings=true")
+    missing = sorted(set(want) - names)
+    if missing:
+        raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint, e.g. "
+                              f"{', '.join(repr(n) for n in missing[:5])}")
+    if extra:
+        raise CheckpointError(f"{path}: {len(extra)} unexpected tensor(s) in the checkpoint, e.g. "
+                              f"{', '.join(repr(n) for n in extra[:5])}")
+    for name, shape in want.items():
+        got = tuple(reader.info(name).shape)
+        if got != shape:
+            raise CheckpointError(f"{path}: tensor '{name}' has shape {list(got)}, expected {list(shape)}")
+
+    pd = np.dtype(as_dtype(cfg.param_dtype))
+
+    def read(name, transform=_same):
+        dtype = reader.info(name).dtype
+        if dtype not in ("F32", "F16", "BF16"):
+            raise CheckpointError(f"{path}: tensor '{name}' has dtype {dtype}, expected F32, F16 or BF16")
+        return transform(np.asarray(reader.view(name), np.float32)).astype(pd)
+
+    layers: dict[str, dict[str, np.ndarray]] = {}
+    for suffix, (mod, leaf), _, transform in hf_layer_map(cfg):
+        stacked = np.stack([read(f"model.layers.{i}.{suffix}", transform) for i in range(cfg.num_hidden_layers)])
+        layers.setdefault(mod, {})[leaf] = stacked
+    params = {"embed": read("model.embed_tokens.weight"), "layers": layers,
+              "norm": {"scale": read("model.norm.weight")}}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = read("lm_head.weight")
+    params = jax.tree.map(jnp.asarray, params)
+    _check_tree(params, Qwen3Backbone(cfg).abstract_params())
+    return cfg, params
+
+
+def _check_tree(params, abstract) -> None:
+    """Our own mapping bug guard: the loaded tree must match the module's exactly."""
+    got = jax.tree.map(lambda a: (a.shape, a.dtype), params)
+    want = jax.tree.map(lambda a: (a.shape, a.dtype), abstract)
+    if got != want:
+        raise AssertionError(f"loaded Qwen3 params do not match the module's tree:\n{got}\nvs\n{want}")
