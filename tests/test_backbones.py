@@ -259,7 +259,8 @@ def test_qwen3_loader_is_strict(qwen3_hf_both, tmp_path):
     bad = _rewrite(folder, tmp_path / "missing", lambda t: t.pop(name))
     with pytest.raises(CheckpointError, match=r"missing.*'model\.layers\.2\.self_attn\.k_proj\.weight'"):
         load_qwen3_hf(bad)
-    bad = _rewrite(folder, tmp_path / "extra", lambda t: t.update({"model.layers.9.mlp.extra.weight": np.zeros(3, np.float32)}))
+    extra = {"model.layers.9.mlp.extra.weight": np.zeros(3, np.float32)}
+    bad = _rewrite(folder, tmp_path / "extra", lambda t: t.update(extra))
     with pytest.raises(CheckpointError, match=r"unexpected.*'model\.layers\.9\.mlp\.extra\.weight'"):
         load_qwen3_hf(bad)
     bad = _rewrite(folder, tmp_path / "shape", lambda t: t.update({name: t[name][:-1]}))

@@ -73,7 +73,7 @@ class Backbone(abc.ABC):
 
     def init_params(self, key: jax.Array) -> PyTree:
         """Random parameters as a plain pytree of arrays (logical names: see `logical_axes`)."""
-        return nn.unbox(self._boxed_init(key))
+        return nn.unbox(jax.jit(self._boxed_init)(key))
 
     def abstract_params(self) -> PyTree:
         """`jax.ShapeDtypeStruct`s of the parameters, no memory allocated (`jax.eval_shape`)."""
@@ -89,7 +89,11 @@ class Backbone(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, params: PyTree, cache: PyTree, tokens: jax.Array, *, taps: tuple[int, ...] = (),
-                tap_mode: str = "entry") -> BackboneOutput: ...
+                tap_mode: str = "entry") -> BackboneOutput:
+        """tokens i32[B, T] at positions cache.length + t -> BackboneOutput (see the module docstring).
+
+        Token ids must lie in [0, V): an id >= V embeds as NaN (jnp.take's fill mode), which poisons that
+        row's outputs and cache entries only, never other rows."""
 
     @abc.abstractmethod
     def tied(self, params: PyTree) -> dict[str, jax.Array]:

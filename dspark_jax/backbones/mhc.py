@@ -306,9 +306,6 @@ class MhcBackbone(Backbone):
         kv = jnp.zeros((c.n_layers, 1, 1, c.head_dim), as_dtype(c.compute_dtype))
         return _Mhc(c).init(key, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32), kv)["params"]
 
-    def init_params(self, key):
-        return nn.unbox(jax.jit(self._boxed_init)(key))
-
     def init_cache(self, batch: int, max_len: int) -> MhcCache:
         c = self.cfg
         if not (isinstance(batch, int) and batch > 0):

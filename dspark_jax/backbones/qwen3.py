@@ -67,9 +67,9 @@ class Qwen3Config:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
+    rope_theta: float = 10000.0  # defaults as in transformers' Qwen3Config
     tie_word_embeddings: bool = False
-    max_position_embeddings: int = 40960
+    max_position_embeddings: int = 32768
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
 
@@ -333,9 +333,6 @@ class Qwen3Backbone(Backbone):
         c = self.cfg
         kv = jnp.zeros((c.num_hidden_layers, 1, 1, c.num_key_value_heads, c.head_dim), as_dtype(c.compute_dtype))
         return _Qwen3(c).init(key, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32), kv, kv)["params"]
-
-    def init_params(self, key):
-        return nn.unbox(jax.jit(self._boxed_init)(key))
 
     def init_cache(self, batch: int, max_len: int) -> Qwen3Cache:
         c = self.cfg
