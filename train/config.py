@@ -43,7 +43,7 @@ loss:
   conf_weight: 1.0
   decay_gamma: 4.0
   detach_conf_inputs: false   # stop gradients from the confidence head into h and W1[prev]
-  vocab_chunk: null           # vocabulary chunk of the fused loss (null = whole vocabulary at once)
+  vocab_chunk: 8192           # vocabulary chunk of the loss (null = the whole vocabulary at once)
   fused: true                 # false = materialise [blocks, K, V] logits (the reference path)
   fp8_grad: straight_through  # straight_through | exact  (how gradients cross the fp8 KV rounding)
 mesh: {data: -1, fsdp: 1, expert: 1, tensor: 1}   # -1 = all remaining devices
@@ -110,7 +110,7 @@ class LossConfig:
     conf_weight: float = 1.0
     decay_gamma: float = 4.0
     detach_conf_inputs: bool = False
-    vocab_chunk: int | None = None
+    vocab_chunk: int | None = 8192
     fused: bool = True
     fp8_grad: str = "straight_through"
 

@@ -352,6 +352,16 @@ class Trainer:
         self.state, metrics = self.compiled.fn(self.state, self.backbone_params, self.put_batch(batch))
         return metrics
 
+    def spec_pair(self, temperatures=None, impl: str = "auto"):
+        """(SpecModel, Weights) of the current draft and the frozen backbone, for `train.rollout`."""
+        from dspark_jax import spec_round as sr  # noqa: PLC0415
+
+        k = self.draft_cfg.block_size
+        temps = jnp.ones((k,), jnp.float32) if temperatures is None else jnp.asarray(temperatures, jnp.float32)
+        model = sr.SpecModel(self.backbone, self.draft_cfg, tap_mode=self.cfg.backbone.tap_mode, impl=impl)
+        weights = sr.Weights(self.backbone_params, self.state.params, self.backbone.tied(self.backbone_params), temps)
+        return model, weights
+
     # ---- data ------------------------------------------------------------------------------------
     def batches(self) -> Batches:
         if self._batches is None:
