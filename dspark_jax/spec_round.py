@@ -164,7 +164,7 @@ def plain_step(model: SpecModel, weights: Weights, state: RoundState, params: sa
     """Plain autoregressive decoding (no draft): the reference speculative decoding must match.
     Emits i32[B] (-1 for inactive rows) with the same keys a round with l_r = 0 uses."""
     length = state.cache.length
-    bo = model.backbone.forward(weights.backbone, state.cache, state.anchor[:, None])
+    bo = model.backbone.forward(weights.backbone, state.cache, state.anchor[:, None])  # no taps: no draft
     token = sampling.sample(bo.logits[:, 0], params, seeds, length + 1, sampling.Stream.RESAMPLE)
     cache = model.backbone.commit(bo.cache, active.astype(jnp.int32))
     anchor = jnp.where(active, token, state.anchor)

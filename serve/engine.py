@@ -33,6 +33,12 @@ from dspark_jax.schedule import CostTable, async_capacity
 
 MODES = ("off", "fixed", "sync", "async", "plain")
 
+# Module-level so every Engine over the same (hashable) SpecModel shares compiled programs.
+_START = jax.jit(sr.start, static_argnums=0)
+_ROUND = jax.jit(sr.spec_round, static_argnums=0, static_argnames=("width", "mode", "filtering"))
+_PLAIN = jax.jit(sr.plain_step, static_argnums=0)
+_CAPACITY = jax.jit(async_capacity)
+
 
 @dataclasses.dataclass
 class Request:
@@ -138,10 +144,7 @@ class Engine:
         self.model, self.weights, self.config, self.cost_table = model, weights, config, cost_table
         self.k = model.block_size
         self.vocab = model.backbone.vocab_size
-        self._start = jax.jit(sr.start, static_argnums=0)
-        self._round = jax.jit(sr.spec_round, static_argnums=0, static_argnames=("width", "mode", "filtering"))
-        self._plain = jax.jit(sr.plain_step, static_argnums=0)
-        self._capacity = jax.jit(async_capacity)
+        self._start, self._round, self._plain, self._capacity = _START, _ROUND, _PLAIN, _CAPACITY
         self.metrics = Metrics(self.k)
         # Compiled verify widths: powers of two below K+1, and K+1 (few compiles, little padding).
         self.width_buckets = sorted({1 << i for i in range(self.k.bit_length()) if 1 << i <= self.k} | {self.k + 1})

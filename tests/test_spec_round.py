@@ -32,7 +32,7 @@ def oracle_propose(model, weights, state, params, seeds, filtering):
         tok = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
         toks.append(tok)
     tokens = jnp.stack(toks, axis=1)
-    bad = (seeds[:, None].astype(jnp.int32) * 7 + state.draft.length[:, None] * 3 + jnp.arange(K)) % 5 == 0
+    bad = (seeds[:, None].astype(jnp.int32) * 7 + state.draft.length[:, None] * 3 + jnp.arange(K)) % 7 == 0
     tokens = jnp.where(bad, (tokens + 1) % v, tokens)
     b = tokens.shape[0]
     return draft.DraftOutput(tokens, jax.nn.one_hot(tokens, v) * 30.0, jnp.zeros((b, K)), jnp.zeros((b, K, 0)),
@@ -45,8 +45,17 @@ def bb_vocab(model):
 
 @functools.lru_cache(maxsize=None)
 def family(name):
+    """A backbone with exact-enough numerics for token-for-token comparisons.
+
+    XLA:CPU does not promise bitwise-equal rows across execution shapes (a [B*T, 256] x [256, 24]
+    product rounds differently for T = 2 and T = 6), so a position verified in a 6-token forward and
+    decoded in a 1-token forward differ in the last bits. The V4.1 fp8 KV rounding amplifies such a
+    difference into a 6% change of one KV element when a value sits near a rounding edge, which flips
+    near-tied argmaxes (we saw a 6e-4 logit margin flip). The exactness tests therefore run the mhc
+    backbone with kv_fp8 off; the sampled-distribution test keeps it on.
+    """
     if name == "mhc":
-        bb = MhcBackbone(MhcConfig.from_json(CONFIGS / "tiny_mhc_backbone.json"))
+        bb = MhcBackbone(MhcConfig.from_json(CONFIGS / "tiny_mhc_backbone.json").replace(kv_fp8=False))
     else:
         bb = Qwen3Backbone(Qwen3Config.from_hf_json(CONFIGS / "tiny_qwen3_backbone.json"))
     bp = bb.init_params(jax.random.key(0))
@@ -156,14 +165,15 @@ def test_ring_backfill_equals_prefill_of_the_committed_sequence():
 
 
 def test_sampled_output_is_distributed_as_the_backbone():
-    """Chi-square of the second and third generated tokens (emitted by a speculative round with the
-    real draft, all K drafts verified) against the backbone's exact marginals."""
+    """Chi-square of the first two generated tokens (the second is emitted by a speculative round with
+    the real draft, all K drafts verified) against the backbone's exact distributions: marginals and
+    the joint. 40k requests: a 1% shift between two likely tokens gives a noncentrality of ~8, so the
+    joint and marginal tests reject it with high probability at alpha = 1e-3."""
     v = 12
     bcfg = MhcConfig.from_json(CONFIGS / "tiny_mhc_backbone.json").replace(vocab_size=v)
     dcfg = CFG.replace(vocab_size=v, noise_token_id=v - 1)
     bb = MhcBackbone(bcfg)
     bp = bb.init_params(jax.random.key(5))
-    bp = jax.tree.map(lambda x: x, bp)
     dp = draft.init_params(dcfg, jax.random.key(6))
     weights = sr.Weights(bp, dp, bb.tied(bp), jnp.ones(K))
     model = sr.SpecModel(bb, dcfg, impl="xla")
@@ -197,24 +207,20 @@ def test_sampled_output_is_distributed_as_the_backbone():
     joint12 = p1[:, None] * p21
     p2 = joint12.sum(0)
     p3 = (joint12[..., None] * p3_12).sum((0, 1))
-    second = out.tokens[:, 0]
-    third = np.where(out.num_emitted > 1, out.tokens[:, 1], -1)
-    for tok, probs, mask in ((first, p1, np.ones(n, bool)), (second, p2, np.ones(n, bool))):
-        _chi2(tok[mask], probs)
-    # the third token is only emitted in this round when draft 1 was accepted; its distribution
-    # conditioned on that event is not p3, so check the joint (t2, t3-or-none) instead via t2's law given
-    # acceptance?  No: check the unconditional pair (t1, t2) joint, which covers the round's emission.
+    second = out.tokens[:, 0]  # the round's first emitted token: an accepted draft or a correction
+    _chi2(first, p1)
+    _chi2(second, p2)
     _chi2(first * v + second, joint12.reshape(-1))
-    assert third is not None
 
 
 def _chi2(samples, probs, alpha=1e-3):
     counts = np.bincount(samples, minlength=len(probs))
     keep = probs * len(samples) >= 5
     obs = np.r_[counts[keep], counts[~keep].sum()]
-    exp = np.r_[probs[keep], probs[~keep].sum()] * len(samples)
+    exp = np.r_[probs[keep], probs[~keep].sum()]
     if exp[-1] == 0:
         obs, exp = obs[:-1], exp[:-1]
+    exp = exp / exp.sum() * obs.sum()
     stat, pval = stats.chisquare(obs, exp)
     assert pval > alpha, (pval, stat)
 
