@@ -26,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=64, help="default per request")
     parser.add_argument("--temperature", type=float, default=0.0, help="default per request")
+    parser.add_argument("--cost-table", help="cost table JSON for modes sync/async (default: the bundle's)")
 
 
 def parse_requests(lines, tokenizer, defaults) -> tuple[list, dict]:
@@ -60,14 +61,17 @@ def parse_requests(lines, tokenizer, defaults) -> tuple[list, dict]:
 def run(args: argparse.Namespace) -> int:
     from dspark_jax.serve.engine import Engine, EngineConfig
 
+    from dspark_jax.schedule import CostTable
+
     bundle = load_model(args)
+    table = CostTable.from_json(args.cost_table) if args.cost_table else bundle.cost_table
     with open(args.prompts) as f:
         reqs, errors = parse_requests(f.readlines(), bundle.tokenizer,
                                       {"max_tokens": args.max_tokens, "temperature": args.temperature})
     engine = Engine(bundle.model, bundle.weights,
                     EngineConfig(max_slots=args.slots, max_len=args.max_len, mode=args.mode,
                                  num_verify=args.num_verify),
-                    cost_table=bundle.cost_table)
+                    cost_table=table)
     results = engine.generate(reqs)
     out = sys.stdout if args.out == "-" else open(args.out, "w")
     for idx, err in errors.items():

@@ -257,3 +257,20 @@ def test_sync_and_async_modes_need_a_cost_table():
     bb, weights = family("mhc")
     with pytest.raises(ValueError, match="cost table"):
         Engine(sr.SpecModel(bb, CFG), weights, EngineConfig(mode="sync"))
+
+
+def test_engine_sync_and_async_schedulers_stay_exact():
+    """With a staircase cost table the schedulers admit varying lengths; greedy output is unchanged."""
+    from dspark_jax.schedule import CostTable
+
+    bb, weights = family("mhc")
+    weights = weights._replace(temperatures=jnp.full((K,), 3.0))  # flatter confidences: varied admissions
+    table = CostTable(np.array([1, 4, 8, 12]), np.array([100.0, 95.0, 60.0, 40.0]), max_batch_tokens=18)
+    reqs = [Request(p, max_tokens=16, seed=i, id=i) for i, p in enumerate(prompts(6, seed=1))]
+    want = plain_greedy("mhc", 22, 150, 200)
+    model = sr.SpecModel(bb, CFG, impl="xla", propose_fn=oracle_propose)
+    for mode in ("sync", "async"):
+        eng = Engine(model, weights, EngineConfig(mode=mode, max_slots=3, max_len=200, progress=False), table)
+        for r in eng.generate(reqs):
+            assert r.tokens == want[r.id, :16].tolist(), (mode, r.id)
+        assert eng.metrics.rounds > 0

@@ -1,0 +1,27 @@
+"""The serving CLIs end to end on the tiny random model: profile a cost table, generate with it."""
+
+import json
+
+from dspark_jax.cli import main
+from dspark_jax.schedule import CostTable
+
+
+def test_profile_then_generate_async(tmp_path, capsys):
+    table = tmp_path / "cost.json"
+    assert main(["profile", "--random-tiny", "--impl", "xla", "--slots", "2", "--max-len", "64", "--repeats", "1",
+                 "--out", str(table)]) == 0
+    t = CostTable.from_json(table)
+    assert t.batch_tokens.tolist() == [2 * w for w in range(1, 7)] and (t.steps_per_sec > 0).all()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"tokens": [1, 2, 3], "max_tokens": 5, "id": "a"}\n{"prompt": "no tokenizer"}\n'
+                       'not json\n{"tokens": [4, 5], "max_tokens": 4, "temperature": 1.0, "id": "b"}\n')
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--random-tiny", "--impl", "xla", "--prompts", str(prompts), "--out", str(out),
+                 "--mode", "async", "--cost-table", str(table), "--slots", "2", "--max-len", "64"]) == 0
+    recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert len(recs["a"]["tokens"]) == 5 and len(recs["b"]["tokens"]) == 4
+    errors = [r for r in recs.values() if r["finish_reason"] == "error"]
+    assert len(errors) == 2 and any("tokenizer" in r["error"] for r in errors)
+    assert any("line 3" in r["error"] for r in errors)
+    summary = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert summary["emitted"] == 9
