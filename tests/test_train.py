@@ -403,6 +403,26 @@ def test_fused_block_loss_equals_reference_path_with_gradients():
     assert float(jnp.abs(g0[0]["markov"]["head"]).max()) > 1e-6 and float(jnp.abs(g0[1]).max()) > 1e-6
 
 
+@pytest.mark.parametrize("variant", [dict(markov_rank=0), dict(block_size=1)])
+def test_pure_parallel_and_one_token_drafts_trace(variant):
+    """No Markov head (markov_rank 0) and K = 1 go through the same forward, loss and gradient."""
+    cfg = TCFG.replace(**variant)
+    params = draft.abstract_params(cfg)
+    _, tied = draft_setup()
+    tokens, mh, anchors, _ = _pattern_inputs()
+    blocks = A.make_blocks(jnp.asarray(tokens), jnp.ones(tokens.shape, bool), jnp.asarray(anchors),
+                           jnp.ones(anchors.shape, bool), cfg.block_size, cfg.noise_token_id)
+    teacher = jnp.zeros((2, 40, cfg.vocab_size))
+
+    def loss(p):
+        acts = M.draft_forward(p, tied, cfg, jnp.asarray(mh), blocks, jnp.asarray(anchors))
+        return L.loss_from_sums(M.block_loss_sums(p, tied, cfg, acts, teacher, blocks, vocab_chunk=100))[0]
+
+    value, grads = jax.eval_shape(jax.value_and_grad(loss), params)
+    assert value.shape == () and jax.tree.structure(grads) == jax.tree.structure(params)
+    assert ("markov" in grads) == bool(cfg.markov_rank)
+
+
 def test_straight_through_fp8_keeps_values_and_passes_gradients():
     from dspark_jax.nn.quant import fp8_quant_dequant
 
@@ -699,8 +719,7 @@ WORKER = textwrap.dedent("""
     from jax.experimental import multihost_utils
     from dspark_jax.train.config import DistributedConfig, RunConfig
     from dspark_jax.train.trainer import Trainer, init_distributed
-    from dspark_jax.nn.norm import rms_norm
-from dspark_jax.parallel import make_mesh
+    from dspark_jax.parallel import make_mesh
 
     pid, port, work = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     init_distributed(DistributedConfig(coordinator=f"127.0.0.1:{port}", num_processes=2, process_id=pid))
@@ -833,12 +852,13 @@ def test_run_config_yaml_and_errors(tmp_path):
     assert cfg.data.train == (str(CONFIGS / "../tests/data/tiny_train.jsonl"),)
     assert cfg.loss.fused and cfg.optim.weight_decay == 0.0 and cfg.optim.clip_norm == 1.0
     bad = tmp_path / "bad.yaml"
-    bad.write_text("data: {train: [x.jsonl]}\ndraft: {config: a.json}\nbackbone: {config: b.json}\noptim: {lr: 1, foo: 2}\n")
+    bad.write_text("data: {train: [x.jsonl]}\ndraft: {config: a.json}\nbackbone: {config: b.json}\n"
+                   "optim: {lr: 1, foo: 2}\n")
     with pytest.raises(RunConfigError, match="optim.foo"):
         RunConfig.from_yaml(bad)
-    from dspark_jax.train import cli
-
     import argparse
+
+    from dspark_jax.train import cli
 
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
