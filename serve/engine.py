@@ -86,7 +86,8 @@ class Metrics:
     block_size: int
     rounds: int = 0  # jitted rounds
     request_rounds: int = 0
-    emitted: int = 0
+    emitted: int = 0  # tokens emitted by rounds (tau counts these)
+    first_tokens: int = 0  # tokens sampled right after prefill
     wall_s: float = 0.0
     verified_at: np.ndarray = None  # rounds that verified position k with 1..k-1 accepted
     accepted_at: np.ndarray = None
@@ -113,12 +114,18 @@ class Metrics:
         return np.where(self.verified_at > 0, self.accepted_at / np.maximum(self.verified_at, 1), np.nan)
 
     @property
+    def tokens(self) -> int:
+        return self.emitted + self.first_tokens
+
+    @property
     def tokens_per_s(self) -> float:
-        return self.emitted / self.wall_s if self.wall_s else 0.0
+        """All generated tokens (prefill's first token included) over the serving wall time."""
+        return self.tokens / self.wall_s if self.wall_s else 0.0
 
     def summary(self) -> dict:
         return {"tau": self.tau, "acceptance": [None if np.isnan(a) else float(a) for a in self.acceptance],
                 "tokens_per_s": self.tokens_per_s, "rounds": self.rounds, "emitted": self.emitted,
+                "tokens": self.tokens,
                 "wall_s": self.wall_s}
 
 
@@ -229,6 +236,7 @@ class Engine:
         state, first = self._start(self.model, self.weights, state, jnp.asarray(prompt), jnp.asarray(plen),
                                    jnp.asarray(mask), params, seeds)
         first = np.asarray(first)
+        self.metrics.first_tokens += len(joining)
         for s, i in joining:
             self._append(slots[s], [int(first[s])], bar)
             if slots[s].result.finish_reason:
