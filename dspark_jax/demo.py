@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     plain = Engine(model, weights, EngineConfig(max_slots=slots, max_len=args.max_len, mode="plain",
                                                 progress=progress))
     runs = []
-    sample = None
+    samples = []
     for temp in args.temperatures:
         reqs = make_requests(prompts, bundle.tokenizer, max_tokens=args.max_tokens, temperature=temp)
         res_p, m_p = timed_generate(plain, reqs)
@@ -103,8 +103,7 @@ def run(args: argparse.Namespace) -> int:
         same = None
         if temp == 0.0:
             same = all(a.tokens == b.tokens for a, b in zip(res_p, res_s))
-            if sample is None:
-                sample = (reqs[0], res_s[0])
+        samples.append((temp, reqs[0], res_s[0]))
         runs.append({"T": temp, "plain": m_p, "spec": m_s, "same": same})
 
     print()
@@ -126,12 +125,16 @@ def run(args: argparse.Namespace) -> int:
             verdict = "identical" if r["same"] else "DIFFERENT (a bug: greedy speculative decoding must be lossless)"
             print(f"greedy check: speculative output vs plain decoding, token for token: {verdict}")
 
-    if sample is not None and bundle.tokenizer is not None:
-        req, res = sample
+    if samples and bundle.tokenizer is not None:
+        req = samples[0][1]
         prompt_text = bundle.tokenizer.decode(list(req.prompt))
         tail = "\n".join(prompt_text.splitlines()[-6:])
-        print(f"\nsample (greedy, speculative), prompt {req.id} (last lines):\n{'-' * 72}\n{tail}")
-        print(f"{'-' * 30} generated {'-' * 31}\n{bundle.tokenizer.decode(res.tokens)}\n{'-' * 72}")
+        print(f"\nsample: prompt {req.id} (held-out; last lines), then each run's speculative continuation\n"
+              f"{'-' * 72}\n{tail}")
+        for temp, _, res in samples:
+            label = "greedy" if temp == 0.0 else f"T = {temp:g}"
+            print(f"{'-' * 30} {label:^10s} {'-' * 30}\n{bundle.tokenizer.decode(res.tokens)}")
+        print("-" * 72)
 
     if args.plot:
         _plot(runs, k, args.plot)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Cut prompt snippets from the HELD-OUT split of the corpus (files the backbone and drafts never saw).
 
-A prompt is up to `--context-chars` characters of source ending with a complete `def ...` line (cut at a
-line start), so the model's job is to continue a function body. Files are visited in sha256(path) order,
+A prompt is up to `--context-chars` characters of source ending with a complete `def ...:` line, without
+its newline (cut at a line start), so the model's job is to continue a function body. Files are visited in sha256(path) order,
 at most `--per-file` prompts per file, defs at least 40% into the context window apart. The first
 `--eval` prompts (whole files, by that order) go to the evaluation set (committed, used by `dspark demo`
 and `dspark bench acceptance`); the next `--calib` prompts, from OTHER files, to the calibration set
@@ -27,7 +27,9 @@ DEF = re.compile(r"^[ \t]*(async[ \t]+)?def[ \t]+\w+\(.*\):[ \t]*$", re.M)
 def snippets(text: str, context: int, per_file: int) -> list[str]:
     out, last_end = [], -10 ** 9
     for m in DEF.finditer(text):
-        end = m.end() + 1  # include the newline after the def line
+        end = m.end()  # up to the ':' of the def line: the model writes the newline + indentation itself
+        # (byte-level BPE merges "\n" with the next line's indentation; a prompt ending in a bare "\n" would
+        # sit on a token boundary that training text almost never has, and invites blank lines)
         if end > len(text) or end - last_end < int(0.4 * context) or m.start() < context // 3:
             continue
         start = text.rfind("\n", 0, max(0, end - context)) + 1  # line start (0 when none)

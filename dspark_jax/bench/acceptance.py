@@ -137,7 +137,7 @@ def recording_engine(model, weights, config, cost_table=None):
 
 
 def timed_generate(engine, requests, warmup_tokens: int = 16):
-    """Warm up (compile) on the same prompts with a short budget, then run and return (results, Metrics)
+    """Warm up (compile) on the same prompts with short budgets, then run and return (results, Metrics)
     of the measured run only."""
     import dataclasses
 
@@ -145,7 +145,11 @@ def timed_generate(engine, requests, warmup_tokens: int = 16):
 
     engine.metrics = Metrics(engine.k)  # the warm-up must not land in a previous run's metrics object
     if warmup_tokens:
-        engine.generate([dataclasses.replace(r, max_tokens=min(warmup_tokens, r.max_tokens)) for r in requests])
+        # The first round after the prompt verifies min(K, max_tokens - 2) drafts, so these budgets compile
+        # every verify-width bucket (1, 2, 4, ..., K+1) and the prompt bucket before the timed run.
+        budgets = sorted({min(b, r.max_tokens) for r in requests for b in (2, 3, 5, 9, warmup_tokens)})
+        for b in budgets:
+            engine.generate([dataclasses.replace(r, max_tokens=b) for r in requests])
     engine.metrics = Metrics(engine.k)
     if hasattr(engine, "take_records"):
         engine.take_records()
