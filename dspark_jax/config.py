@@ -5,6 +5,12 @@
   * the Hugging Face `config.json` of DeepSeek-V4.1 (HF key names, possibly nested under `text_config`),
   * the inference `config.json` shipped beside `inference/model.py` (flat, short key names).
 Each field lists the foreign spellings it accepts in `_ALIASES`.
+
+`DSparkConfig.from_dict` / `from_json` are the one entry point for every draft family: a config of the
+DeepSpec "qwen3" family (`"family": "qwen3"`, or a DeepSpec `config.json` whose `architectures` name
+`Qwen3DSparkModel`) comes back as a `dspark_jax.deepspec.DeepSpecConfig`, which exposes the same
+properties the round, the engine and the trainer read (block_size, target_layer_ids, dim, vocab_size,
+noise_token_id, markov_rank, tap_mode, ...).
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("deepseek_v41",)
+# Draft families: "deepseek_v41" (this DSparkConfig) and "qwen3" (DeepSpec drafts for Qwen3 targets,
+# `dspark_jax.deepspec.DeepSpecConfig`). `dspark_jax.draft` dispatches on `cfg.family`.
+FAMILIES = ("deepseek_v41", "qwen3")
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 
 
@@ -78,10 +86,18 @@ class DSparkConfig:
     def max_keys(self) -> int:
         return self.window + self.block_size
 
+    @property
+    def tap_mode(self) -> str:
+        """V4.1 drafts read the backbone residual at the ENTRY of the tap layers (SPEC 2.2)."""
+        return "entry"
+
     # ---- validation ----------------------------------------------------------------------------
     def __post_init__(self):
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
         _check(self.family in FAMILIES, "family", f"one of {FAMILIES}", self.family)
+        _check(self.family == "deepseek_v41", "family",
+               "'deepseek_v41' in a DSparkConfig (a 'qwen3' DeepSpec draft is a dspark_jax.deepspec.DeepSpecConfig; "
+               "DSparkConfig.from_dict / from_json return one)", self.family)
         for name in ("dim", "vocab_size", "n_layers", "block_size", "n_routed_experts", "n_activated_experts",
                      "moe_inter_dim", "n_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
                      "window", "hc_mult", "hc_sinkhorn_iters"):
@@ -116,6 +132,10 @@ class DSparkConfig:
     # ---- I/O -----------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "DSparkConfig":
+        if is_deepspec_config(raw):
+            from dspark_jax.deepspec import DeepSpecConfig  # noqa: PLC0415  (imports jax)
+
+            return DeepSpecConfig.from_dict(raw)
         if "text_config" in raw and isinstance(raw["text_config"], dict):
             raw = {**raw, **raw["text_config"]}
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -180,6 +200,14 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "score_func": ("scoring_func",),
     "route_scale": ("routed_scaling_factor",),
 }
+
+
+def is_deepspec_config(raw: Any) -> bool:
+    """A config dict of the DeepSpec "qwen3" draft family (ours or DeepSpec's own config.json)."""
+    if not isinstance(raw, dict):
+        return False
+    arch = raw.get("architectures")
+    return raw.get("family") == "qwen3" or (isinstance(arch, list) and "Qwen3DSparkModel" in arch)
 
 
 def _check(ok: bool, field: str, expected: str, got: Any) -> None:

@@ -11,11 +11,19 @@ Pure-functional API (params are an explicit pytree, the draft state is an explic
 Positions: `state.length[b]` = p + 1, the number of backbone positions whose context rows were
 written. The anchor sits at position `length`, draft row k (1-based) at `length + k - 1`, and the token
 draft row k predicts at `length + k` (so `verify_and_accept(positions=state.length + 1)`).
+
+Draft families. These public functions are the draft interface of every family and dispatch on
+`cfg.family` (`FAMILY_MODULES`, a small registry): "deepseek_v41" is implemented here, "qwen3" (the
+DeepSpec drafts for Qwen3 targets) in `dspark_jax.deepspec`. A family module provides init_params,
+abstract_params, param_logical_axes, param_shardings, init_state(cfg, batch, max_len), ingest, prefill
+and propose (-> DraftOutput); its state is a NamedTuple with an i32[B] `length` field. Each family's config
+says which backbone taps it reads (`cfg.tap_mode`: "entry" for V4.1, "output" for DeepSpec).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -31,6 +39,19 @@ from dspark_jax.nn.mhc import HyperConnection, hc_post, hc_pre, one_hot_pre
 from dspark_jax.nn.moe import MoE
 from dspark_jax.nn.norm import RMSNorm, rms_norm
 from dspark_jax.nn.params import param
+
+# family -> module implementing it (imported on first use; "deepseek_v41" is this module).
+FAMILY_MODULES = {"qwen3": "dspark_jax.deepspec"}
+
+
+def family_module(cfg):
+    """The module implementing `cfg`'s draft family, or None for V4.1 (this module)."""
+    family = getattr(cfg, "family", "deepseek_v41")
+    if family == "deepseek_v41":
+        return None
+    if family not in FAMILY_MODULES:
+        raise ValueError(f"draft family {family!r}: expected one of {['deepseek_v41', *FAMILY_MODULES]}")
+    return importlib.import_module(FAMILY_MODULES[family])
 
 
 class DraftState(NamedTuple):
@@ -160,16 +181,22 @@ def _init_boxed(cfg: DSparkConfig, key: jax.Array):
 
 def init_params(cfg: DSparkConfig, key: jax.Array) -> dict:
     """Random parameters (the tree documented in docs/params.md)."""
+    if (fam := family_module(cfg)) is not None:
+        return fam.init_params(cfg, key)
     return nn.unbox(jax.jit(_init_boxed, static_argnums=0)(cfg, key))
 
 
 def abstract_params(cfg: DSparkConfig) -> dict:
     """Shapes and dtypes only, nothing materialised."""
+    if (fam := family_module(cfg)) is not None:
+        return fam.abstract_params(cfg)
     return nn.unbox(jax.eval_shape(functools.partial(_init_boxed, cfg), jax.random.key(0)))
 
 
 def param_logical_axes(cfg: DSparkConfig) -> dict:
     """The logical axis names of every parameter (a tree of PartitionSpec of names)."""
+    if (fam := family_module(cfg)) is not None:
+        return fam.param_logical_axes(cfg)
     return nn.get_partition_spec(jax.eval_shape(functools.partial(_init_boxed, cfg), jax.random.key(0)))
 
 
@@ -181,14 +208,19 @@ def ring_dtype(cfg: DSparkConfig):
     return jnp.dtype(cfg.compute_dtype)
 
 
-def init_state(cfg: DSparkConfig, batch: int) -> DraftState:
+def init_state(cfg: DSparkConfig, batch: int, max_len: int | None = None) -> DraftState:
+    """The draft state of `batch` rows. `max_len` (the backbone cache length) sizes families that keep
+    every committed context row (DeepSpec needs it); V4.1 keeps a ring of `window` rows and ignores it."""
+    if (fam := family_module(cfg)) is not None:
+        return fam.init_state(cfg, batch, max_len)
     return DraftState(jnp.zeros((cfg.n_layers, batch, cfg.window, cfg.head_dim), ring_dtype(cfg)),
                       jnp.zeros((batch,), jnp.int32))
 
 
 def reset_rows(state: DraftState, rows: jax.Array) -> DraftState:
-    """Forget the context of the rows where `rows` (bool[B]) is set (a slot got a new request)."""
-    return DraftState(state.ring, jnp.where(rows, 0, state.length))
+    """Forget the context of the rows where `rows` (bool[B]) is set (a slot got a new request); every
+    family's state has a `length` field."""
+    return state._replace(length=jnp.where(rows, 0, state.length))
 
 
 def ingest(params: dict, cfg: DSparkConfig, state: DraftState, main_hidden: jax.Array, num_new: jax.Array,
@@ -199,6 +231,8 @@ def ingest(params: dict, cfg: DSparkConfig, state: DraftState, main_hidden: jax.
     first num_new[b] are real). Rows that a later row of the same call would overwrite (T > W) are
     dropped so every ring slot gets exactly one writer: XLA leaves duplicate-index scatters unordered.
     """
+    if (fam := family_module(cfg)) is not None:
+        return fam.ingest(params, cfg, state, main_hidden, num_new, impl=impl)
     b, t, _ = main_hidden.shape
     positions = state.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     rows = DSparkDraft(cfg, impl).apply({"params": params}, main_hidden, positions, method=DSparkDraft.context_rows)
@@ -213,6 +247,8 @@ def ingest(params: dict, cfg: DSparkConfig, state: DraftState, main_hidden: jax.
 def prefill(params: dict, cfg: DSparkConfig, state: DraftState, main_hidden: jax.Array, num_valid: jax.Array,
             *, impl: str = "auto") -> DraftState:
     """Seed the rings from the prompt's backbone features (the draft body does not run)."""
+    if (fam := family_module(cfg)) is not None:
+        return fam.prefill(params, cfg, state, main_hidden, num_valid, impl=impl)
     return ingest(params, cfg, DraftState(state.ring, jnp.zeros_like(state.length)), main_hidden, num_valid,
                   impl=impl)
 
@@ -226,6 +262,8 @@ def block_inputs(cfg: DSparkConfig, anchor: jax.Array) -> jax.Array:
 def draft_hidden(params: dict, tied: dict, cfg: DSparkConfig, state: DraftState, anchor: jax.Array,
                  *, impl: str = "auto") -> tuple[jax.Array, jax.Array]:
     """The parallel part of a round: -> (h [B, K, D] pre-norm, base logits U f32[B, K, V])."""
+    if (fam := family_module(cfg)) is not None:
+        return fam.draft_hidden(params, tied, cfg, state, anchor)
     cd = jnp.dtype(cfg.compute_dtype)
     embeds = jnp.take(tied["embed"], block_inputs(cfg, anchor), axis=0).astype(cd)
     positions = state.length[:, None] + jnp.arange(cfg.block_size, dtype=jnp.int32)[None, :]
@@ -255,6 +293,8 @@ def propose(params: dict, tied: dict, cfg: DSparkConfig, state: DraftState, anch
     Draft token k is sampled with key (seed, length + k, Stream.DRAFT). `filtering=False` promises that
     no request uses top-k / top-p, which lets the fused Pallas sampler run (`impl`).
     """
+    if (fam := family_module(cfg)) is not None:
+        return fam.propose(params, tied, cfg, state, anchor, sampling_params, seeds, impl=impl, filtering=filtering)
     h, base = draft_hidden(params, tied, cfg, state, anchor, impl=impl)
     first_position = state.length + 1
     markov = params.get("markov")
@@ -267,6 +307,8 @@ def propose(params: dict, tied: dict, cfg: DSparkConfig, state: DraftState, anch
 
 def param_shardings(cfg: DSparkConfig, mesh) -> dict:
     """NamedSharding for every draft parameter on `mesh` (experts over the `expert` axis, etc.)."""
+    if (fam := family_module(cfg)) is not None:
+        return fam.param_shardings(cfg, mesh)
     from dspark_jax.parallel import fit_shardings, logical_shardings
 
     return fit_shardings(logical_shardings(param_logical_axes(cfg), mesh), abstract_params(cfg))

@@ -37,12 +37,22 @@ class SpecModel:
     """The static half of a speculative pair (hashable: a jit static argument)."""
 
     backbone: Backbone
-    cfg: DSparkConfig
-    tap_mode: str = "entry"  # V4.1 drafts read layer entries
+    cfg: DSparkConfig  # any draft family's config (DSparkConfig, deepspec.DeepSpecConfig)
+    # Which backbone taps the draft reads; None = the draft family's own (`cfg.tap_mode`: V4.1 reads layer
+    # entries, DeepSpec layer outputs). An explicit value must agree with the family.
+    tap_mode: str | None = None
     impl: str = "auto"  # kernel dispatch for the draft
     # The draft step (model, weights, state, params, seeds, filtering) -> DraftOutput; replaceable so
     # tests can drive the round with an oracle draft that reads the backbone.
     propose_fn: Callable | None = None
+
+    def __post_init__(self):
+        family_mode = self.cfg.tap_mode
+        if self.tap_mode is None:
+            object.__setattr__(self, "tap_mode", family_mode)
+        elif self.tap_mode != family_mode:
+            raise ValueError(f"SpecModel 'tap_mode': the {self.cfg.family!r} draft family reads backbone taps "
+                             f"{family_mode!r}, got {self.tap_mode!r} (leave it unset to use the family's)")
 
     @property
     def block_size(self) -> int:
@@ -58,7 +68,7 @@ class Weights(NamedTuple):
 
 class RoundState(NamedTuple):
     cache: Any  # backbone KV cache (committed length per row)
-    draft: draft_lib.DraftState
+    draft: draft_lib.DraftState  # (or the draft family's state, e.g. deepspec.DeepSpecState)
     anchor: jax.Array  # i32[B] the last emitted token, not yet processed by the backbone
     conf_lag: jax.Array  # f32[2, B, K] calibrated confidences of the previous two rounds (async)
 
@@ -74,7 +84,7 @@ class RoundOutput(NamedTuple):
 
 def init_state(model: SpecModel, batch: int, max_len: int) -> RoundState:
     k = model.block_size
-    return RoundState(model.backbone.init_cache(batch, max_len), draft_lib.init_state(model.cfg, batch),
+    return RoundState(model.backbone.init_cache(batch, max_len), draft_lib.init_state(model.cfg, batch, max_len),
                       jnp.zeros((batch,), jnp.int32), jnp.zeros((2, batch, k), jnp.float32))
 
 

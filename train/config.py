@@ -16,7 +16,7 @@ backbone:
   params: null                # an Orbax params checkpoint, or (qwen3) a HF safetensors folder;
                               # null = random init from init_seed (tests and demos only)
   init_seed: 0
-  tap_mode: entry             # entry (V4.1 drafts) | output (DeepSpec)
+  tap_mode: null              # entry (V4.1 drafts) | output (DeepSpec); null = the draft family's
 draft:
   config: configs/tiny_v41.json            # DSparkConfig JSON (any of its accepted spellings)
   init: null                  # an Orbax params checkpoint to start from; null = random init
@@ -82,7 +82,7 @@ class BackboneSpec:
     config: str | None = None
     params: str | None = None
     init_seed: int = 0
-    tap_mode: str = "entry"
+    tap_mode: str | None = None  # None: the draft family's (V4.1 "entry", DeepSpec "output")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,10 +174,10 @@ class RunConfig:
             raise RunConfigError(f"compute_dtype: expected 'float32' or 'bfloat16', got {self.compute_dtype!r}")
         if self.backbone.family not in ("mhc", "qwen3"):
             raise RunConfigError(f"backbone.family: expected 'mhc' or 'qwen3', got {self.backbone.family!r}")
-        if self.backbone.tap_mode not in ("entry", "output"):
+        if self.backbone.tap_mode not in (None, "entry", "output"):
             raise RunConfigError(f"backbone.tap_mode: expected 'entry' or 'output', got {self.backbone.tap_mode!r}")
         if self.draft.config is None:
-            raise RunConfigError("draft.config: required (a DSparkConfig JSON file)")
+            raise RunConfigError("draft.config: required (a draft config JSON: DSparkConfig or DeepSpec)")
         if self.backbone.config is None and not (self.backbone.family == "qwen3" and self.backbone.params):
             raise RunConfigError("backbone.config: required (or, for qwen3, backbone.params naming a HF folder)")
         if self.loss.fp8_grad not in ("straight_through", "exact"):

@@ -92,6 +92,11 @@ def draft_forward(params: dict, tied: dict, cfg: DSparkConfig, main_hidden: jax.
                   anchors: jax.Array, *, detach_conf_inputs: bool = False, impl: str = "xla") -> DraftActs:
     """main_hidden [B, T, n_taps*D] (backbone taps of every position), blocks from `make_blocks`,
     anchors i32[B, N] -> DraftActs for the B*N blocks (flattened row-major)."""
+    if cfg.family == "qwen3":  # DeepSpec drafts: full context strictly before each anchor (no ring)
+        from dspark_jax import deepspec  # noqa: PLC0415
+
+        return DraftActs(*deepspec.train_forward(params, tied, cfg, main_hidden, blocks, anchors,
+                                                 detach_conf_inputs=detach_conf_inputs))
     b, t, _ = main_hidden.shape
     n, k = blocks.inputs.shape[1:]
     cd = jnp.dtype(cfg.compute_dtype)

@@ -277,6 +277,7 @@ class Trainer:
         self.draft_cfg = DSparkConfig.from_json(cfg.draft.config).replace(param_dtype="float32",
                                                                           compute_dtype=cfg.compute_dtype)
         _check_pair(self.backbone, self.draft_cfg)
+        self.tap_mode = _tap_mode(cfg.backbone.tap_mode, self.draft_cfg)
         n_proc = jax.process_count()
         if cfg.micro_batch % n_proc:
             raise ValueError(f"global_batch / grad_accum = {cfg.micro_batch} sequences per micro-batch must be a "
@@ -285,7 +286,7 @@ class Trainer:
         if cfg.micro_batch % shards:
             raise ValueError(f"global_batch / grad_accum = {cfg.micro_batch} must be a multiple of the data*fsdp "
                              f"mesh size ({shards})")
-        self.spec = StepSpec(type(self.backbone), self.backbone.cfg, cfg.backbone.tap_mode, self.draft_cfg, cfg.loss,
+        self.spec = StepSpec(type(self.backbone), self.backbone.cfg, self.tap_mode, self.draft_cfg, cfg.loss,
                              cfg.optim, cfg.steps, self.mesh, cfg.grad_accum, cfg.micro_batch, cfg.data.seq_len,
                              cfg.data.anchors_per_seq, tuple(sorted(cfg.compiler_options.items())))
         self.compiled = compile_step(self.spec)
@@ -359,7 +360,7 @@ class Trainer:
 
         k = self.draft_cfg.block_size
         temps = jnp.ones((k,), jnp.float32) if temperatures is None else jnp.asarray(temperatures, jnp.float32)
-        model = sr.SpecModel(self.backbone, self.draft_cfg, tap_mode=self.cfg.backbone.tap_mode, impl=impl)
+        model = sr.SpecModel(self.backbone, self.draft_cfg, tap_mode=self.tap_mode, impl=impl)
         weights = sr.Weights(self.backbone_params, self.state.params, self.backbone.tied(self.backbone_params), temps)
         return model, weights
 
@@ -458,6 +459,14 @@ def metrics_record(m: dict, step: int) -> dict[str, Any]:
         else:
             rec[k] = float(v)
     return rec
+
+
+def _tap_mode(requested: str | None, cfg) -> str:
+    """backbone.tap_mode of the run config, or the draft family's when unset; they must agree."""
+    if requested is not None and requested != cfg.tap_mode:
+        raise ValueError(f"backbone.tap_mode: the {cfg.family!r} draft family reads backbone taps {cfg.tap_mode!r}, "
+                         f"got {requested!r} (leave it unset to use the family's)")
+    return cfg.tap_mode
 
 
 def _check_pair(backbone, cfg: DSparkConfig) -> None:

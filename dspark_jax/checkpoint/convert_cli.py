@@ -8,6 +8,14 @@ SRC is a V4.1 safetensors checkpoint (a `.safetensors` file, a folder of shards,
   * orbax -> bf16 | fp8 safetensors: restore on the host and export the V4.1 layout.
 The config comes from --config, else the Orbax metadata, else `config.json` / `dspark_config.json`
 beside SRC (HF, inference and our own spellings all load).
+
+`--family deepspec` (chosen automatically when the config is a DeepSpec `Qwen3DSparkModel` config.json):
+SRC is a DeepSpec Qwen3 draft folder (config.json + model.safetensors, e.g. deepseek-ai/dspark_qwen3_8b_block7)
+or an Orbax checkpoint written by this command; `dspark_jax.checkpoint.deepspec` holds the mapping.
+  * --to bf16 | f32: the DeepSpec layout again (config.json + model.safetensors), streamed;
+  * --to orbax: our tree `{"params": ..., "tied": {...}}` (tied = embed_tokens / lm_head);
+  * --to bundle --backbone QWEN3_DIR: a serving bundle (`dspark generate --bundle DST`) of the Hugging Face
+    Qwen3 target in QWEN3_DIR (config.json + safetensors, its tokenizer.json copied when present) and the draft.
 """
 
 from __future__ import annotations
@@ -23,9 +31,14 @@ from dspark_jax.checkpoint.safetensors_io import CheckpointError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", type=Path, help="V4.1 safetensors file/folder/index, or an Orbax checkpoint folder")
     parser.add_argument("dst", type=Path, help="output folder")
-    parser.add_argument("--to", required=True, choices=("orbax", "bf16", "fp8"),
+    parser.add_argument("--to", required=True, choices=("orbax", "bf16", "fp8", "f32", "bundle"),
                         help="orbax: our tree; bf16: V4.1 layout dequantised; fp8: V4.1 layout as the official "
-                             "checkpoint stores it (fp8 dense, fp4 experts)")
+                             "checkpoint stores it (fp8 dense, fp4 experts); DeepSpec drafts: bf16 | f32 (their "
+                             "layout), orbax, or bundle (with --backbone)")
+    parser.add_argument("--family", default=None, choices=("v41", "deepspec"),
+                        help="draft checkpoint family (default: from the config; deepspec = Qwen3DSparkModel)")
+    parser.add_argument("--backbone", type=Path, default=None,
+                        help="--to bundle: the Hugging Face Qwen3 target folder (config.json + safetensors)")
     parser.add_argument("--config", type=Path, default=None,
                         help="draft config json (default: Orbax metadata, or config.json beside SRC)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
@@ -101,6 +114,12 @@ def convert(args) -> str:
     if args.dst.resolve() == src_dir or src_dir.is_relative_to(args.dst.resolve()):
         raise CheckpointError(f"{args.dst}: the output folder must not contain the input {args.src}")
     cfg = _config_for(args, src_is_orbax)
+    family = args.family or ("deepspec" if getattr(cfg, "family", None) == "qwen3" else "v41")
+    if family == "deepspec":
+        return convert_deepspec(args, cfg, src_is_orbax)
+    if args.to in ("f32", "bundle") or args.backbone is not None:
+        raise CheckpointError(f"--to {args.to} / --backbone are for DeepSpec drafts (--family deepspec); V4.1 "
+                              "checkpoints convert --to orbax, bf16 or fp8")
     _check_dst(args.dst, args.overwrite, safetensors_out=args.to != "orbax")
     shard = int(args.max_shard_gb * (1 << 30))
     progress = not args.quiet
@@ -133,6 +152,83 @@ def convert(args) -> str:
                                         max_shard_bytes=shard, fp4_dtype=args.fp4_dtype, progress=progress)
     cfg.to_json(args.dst / "dspark_config.json")
     return f"wrote {len(files)} safetensors file(s) to {args.dst}"
+
+
+def convert_deepspec(args, cfg, src_is_orbax: bool) -> str:
+    """The DeepSpec (`Qwen3DSparkModel`) conversions; see the module docstring."""
+    from dspark_jax.checkpoint import deepspec, orbax_io  # noqa: PLC0415
+    from dspark_jax.deepspec import DeepSpecConfig  # noqa: PLC0415
+
+    if not isinstance(cfg, DeepSpecConfig):
+        raise CheckpointError(f"--family deepspec needs a DeepSpec config (architectures [\"Qwen3DSparkModel\"]), "
+                              f"got a {cfg.family!r} draft config")
+    if args.to == "fp8":
+        raise CheckpointError("DeepSpec drafts are stored in bf16 or f32; choose --to bf16, f32, orbax or bundle")
+    if args.tied is not None:
+        raise CheckpointError("--tied is for V4.1 checkpoints; a DeepSpec checkpoint carries embed_tokens / lm_head")
+    if (args.to == "bundle") != (args.backbone is not None):
+        raise CheckpointError("--to bundle needs --backbone QWEN3_DIR (and --backbone is only used with --to bundle)")
+    _check_dst(args.dst, args.overwrite, safetensors_out=args.to != "orbax")
+    with_tied = not args.no_tied
+    dtype = {"bf16": "BF16", "f32": "F32"}.get(args.to)
+    if src_is_orbax:
+        if args.to in ("orbax", "bundle"):
+            raise CheckpointError(f"{args.src} is an Orbax checkpoint; convert it --to bf16 or f32 (the DeepSpec "
+                                  "layout) first")
+        tree = orbax_io.restore_params(args.src)
+        if not isinstance(tree, dict) or "params" not in tree:
+            raise CheckpointError(f"{args.src}: expected a tree {{'params': ..., 'tied': ...}} written by dspark convert")
+        tied = tree.get("tied") if with_tied else None
+        if with_tied and tied is None:
+            raise CheckpointError(f"{args.src} holds no tied embed/head; pass --no-tied to export the draft only")
+        deepspec.export_deepspec_draft(tree["params"], tied, cfg, args.dst, dtype=dtype)
+        return f"wrote the DeepSpec checkpoint {args.dst} ({args.to})"
+    if dtype is not None:
+        deepspec.convert_deepspec_safetensors(args.src, args.dst, cfg, dtype=dtype, with_tied=with_tied)
+        return f"wrote the DeepSpec checkpoint {args.dst} ({args.to})"
+    if args.to == "orbax":
+        cfg, params, tied = deepspec.load_deepspec_draft(args.src, cfg, dtype=args.dtype, with_tied=with_tied)
+        tree = {"params": params} if tied is None else {"params": params, "tied": tied}
+        orbax_io.to_device_leafwise(tree)
+        orbax_io.save_params(args.dst, tree, config=cfg, overwrite=args.overwrite)
+        return f"wrote Orbax checkpoint {args.dst}"
+    return _deepspec_bundle(args, cfg)
+
+
+def _deepspec_bundle(args, cfg) -> str:
+    """A serving bundle of a Hugging Face Qwen3 target and a DeepSpec draft (both in --dtype)."""
+    import shutil  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+
+    from dspark_jax.backbones.qwen3 import Qwen3Backbone, load_qwen3_hf  # noqa: PLC0415
+    from dspark_jax.bundle import save_bundle  # noqa: PLC0415
+    from dspark_jax.checkpoint import deepspec  # noqa: PLC0415
+
+    dt = args.dtype
+    bcfg, bparams = load_qwen3_hf(args.backbone, param_dtype=dt, compute_dtype=dt)
+    cfg, params, tied = deepspec.load_deepspec_draft(args.src, cfg.replace(compute_dtype=dt), dtype=dt,
+                                                     with_tied=not args.no_tied)
+    if (bcfg.vocab_size, bcfg.hidden_size) != (cfg.vocab_size, cfg.hidden_size):
+        raise CheckpointError(f"draft vocab/width {cfg.vocab_size}/{cfg.hidden_size} do not match the target's "
+                              f"{bcfg.vocab_size}/{bcfg.hidden_size} ({args.backbone})")
+    if bcfg.num_hidden_layers != cfg.num_target_layers:
+        raise CheckpointError(f"the draft was trained on a {cfg.num_target_layers}-layer target, {args.backbone} has "
+                              f"{bcfg.num_hidden_layers} layers")
+    backbone = Qwen3Backbone(bcfg)
+    if tied is not None:  # the draft's frozen copies must be the target's own embedding and head
+        for k, v in backbone.tied(bparams).items():
+            if not np.array_equal(np.asarray(v, np.float32), np.asarray(tied[k], np.float32)):
+                raise CheckpointError(f"the draft's {deepspec.TIED[k]} differs from the target's: {args.src} was not "
+                                      f"trained against {args.backbone} (pass --no-tied to skip this check)")
+    tok = args.backbone / "tokenizer.json"
+    save_bundle(args.dst, backbone_family="qwen3", backbone=backbone, backbone_params=bparams, draft_cfg=cfg,
+                draft_params=params, tap_mode=cfg.tap_mode,
+                tokenizer_json=tok.read_text() if tok.is_file() else None)
+    folder = args.src if args.src.is_dir() else args.src.parent
+    if (folder / "calibration.json").is_file():  # STS temperatures fitted for this draft, if the user has them
+        shutil.copy(folder / "calibration.json", args.dst / "calibration.json")
+    return f"wrote the bundle {args.dst} (Qwen3 target + DeepSpec draft, {dt})"
 
 
 def run(args: argparse.Namespace) -> int:
