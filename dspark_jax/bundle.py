@@ -14,6 +14,7 @@ Loading is strict: every parameter the configs imply must be present with its sh
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -145,8 +146,10 @@ def load_bundle(path, *, impl: str = "auto") -> Bundle:
     return Bundle(model, weights, family, calibration, table, tokenizer, path)
 
 
+@functools.lru_cache(maxsize=4)
 def random_bundle(backbone_config_path, draft_config_path, *, family: str = "mhc", seed: int = 0) -> Bundle:
-    """Random weights for the given configs (tests, and the demo before a trained default exists)."""
+    """Random weights for the given configs (tests, and the demo before a trained default exists).
+    Cached: the same arguments give the same (hashable) model, so compiled programs are reused."""
     raw = json.loads(Path(backbone_config_path).read_text())
     backbone = make_backbone(family, raw)
     cfg = DSparkConfig.from_json(draft_config_path)

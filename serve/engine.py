@@ -71,6 +71,7 @@ class EngineConfig:
     min_gain: float = 0.0
     min_prompt_bucket: int = 16
     progress: bool = True
+    profile_on_start: bool = False  # sync/async without a table: measure one at start-up (slow)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -141,9 +142,14 @@ class _Slot:
 class Engine:
     def __init__(self, model: sr.SpecModel, weights: sr.Weights, config: EngineConfig = EngineConfig(),
                  cost_table: CostTable | None = None):
+        if config.mode in ("sync", "async") and cost_table is None and config.profile_on_start:
+            from dspark_jax.serve.profile import profile_cost_table
+
+            cost_table = profile_cost_table(model, weights, slots=config.max_slots, max_len=config.max_len,
+                                            progress=config.progress)
         if config.mode in ("sync", "async") and cost_table is None:
             raise ValueError(f"engine mode {config.mode!r} schedules against a measured cost table; none was "
-                             "given. Measure one with `dspark profile` (Engine.profile) or use mode 'off'.")
+                             "given. Measure one with `dspark profile`, set EngineConfig(profile_on_start=True), or use mode 'off'.")
         if config.mode == "fixed" and not (config.num_verify is not None
                                            and 0 <= config.num_verify <= model.block_size):
             raise ValueError(f"engine mode 'fixed' needs num_verify in [0, {model.block_size}], "

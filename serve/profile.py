@@ -30,14 +30,16 @@ def profile_cost_table(model: sr.SpecModel, weights: sr.Weights, *, slots: int, 
     active = jnp.ones((slots,), bool)
     sp = sampling.SamplingParams.make(slots, temperature=1.0)
     seeds = jnp.arange(slots, dtype=jnp.uint32)
-    state0, _ = jax.jit(sr.start, static_argnums=0)(model, weights, sr.init_state(model, slots, max_len), prompt,
-                                                     plen, active, sp, seeds)
-    rnd = jax.jit(sr.spec_round, static_argnums=0, static_argnames=("width", "mode", "filtering"))
+    from dspark_jax.serve.engine import _ROUND as rnd
+    from dspark_jax.serve.engine import _START
+
+    # The engine's own jitted programs (shared with every Engine), so the table times what serving runs.
+    state0, _ = _START(model, weights, sr.init_state(model, slots, max_len), prompt, plen, active, sp, seeds)
     batch_tokens, sps = [], []
     for w in tqdm(widths, desc="profiling verify widths", disable=not progress):
         nv = jnp.full((slots,), w - 1, jnp.int32)
         run = lambda st: rnd(model, weights, st, sp, seeds, active, width=w, mode="fixed",  # noqa: E731
-                             num_verify=nv, filtering=False)
+                             num_verify=nv, draft_cap=nv, filtering=False)
         jax.block_until_ready(run(state0))  # compile
         times = []
         for _ in range(repeats):

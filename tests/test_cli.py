@@ -25,3 +25,16 @@ def test_profile_then_generate_async(tmp_path, capsys):
     assert any("line 3" in r["error"] for r in errors)
     summary = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
     assert summary["tokens"] == 9 and summary["emitted"] == 7  # 2 first tokens come from prefill
+
+
+def test_engine_profiles_its_cost_table_at_start_when_asked():
+    from dspark_jax.bundle import random_bundle
+    from dspark_jax.serve.cli_common import CONFIGS
+    from dspark_jax.serve.engine import Engine, EngineConfig, Request
+
+    b = random_bundle(CONFIGS / "tiny_mhc_backbone.json", CONFIGS / "tiny_v41.json")
+    eng = Engine(b.model, b.weights, EngineConfig(mode="sync", max_slots=2, max_len=64, progress=False,
+                                                  profile_on_start=True))
+    assert eng.cost_table is not None and eng.cost_table.max_batch_tokens == 2 * (b.model.block_size + 1)
+    (res,) = eng.generate([Request([1, 2, 3], max_tokens=4)])
+    assert len(res.tokens) == 4
