@@ -649,3 +649,55 @@ def test_dspark_convert_deepspec_to_bf16_orbax_and_a_serving_bundle(checkpoint, 
     res = Engine(bundle.model, bundle.weights, EngineConfig(mode="off", max_slots=2, max_len=32, progress=False)
                  ).generate([Request([5, 6, 7], max_tokens=2, id=0), Request([9], max_tokens=2, id=1)])
     assert [r.finish_reason for r in res] == ["length", "length"] and all(len(r.tokens) == 2 for r in res)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The second embedded default (dspark_jax/assets/default_qwen3; skipped when absent)
+# ---------------------------------------------------------------------------------------------------
+
+DEFAULT_QWEN3 = CONFIGS.parent / "dspark_jax" / "assets" / "default_qwen3"
+needs_default = pytest.mark.skipif(not (DEFAULT_QWEN3 / "bundle.json").is_file(),
+                                   reason="embedded default_qwen3 model not present")
+
+
+@functools.lru_cache(maxsize=None)
+def default_qwen3():
+    from dspark_jax.bundle import load_bundle
+
+    return load_bundle(DEFAULT_QWEN3, impl="xla")
+
+
+@needs_default
+def test_default_qwen3_bundle_and_its_deepspec_export(tmp_path):
+    b = default_qwen3()
+    assert b.backbone_family == "qwen3" and b.model.cfg.family == "qwen3" and b.model.tap_mode == "output"
+    assert b.model.block_size == 7 and b.model.cfg.markov_rank > 0 and b.model.cfg.enable_confidence_head
+    assert b.tokenizer.token_to_id("<|noise|>") == b.model.cfg.mask_token_id
+    assert b.calibration is not None and b.calibration.num_positions == 7
+    # The committed draft leaves in the DeepSpec layout and comes back unchanged.
+    tied = {k: np.asarray(v) for k, v in b.weights.tied.items()}
+    ckpt.export_deepspec_draft(jax.device_get(b.weights.draft), tied, b.model.cfg, tmp_path / "out")
+    cfg, params, tied2 = ckpt.load_deepspec_draft(tmp_path / "out", dtype="float32")
+    assert cfg.replace(compute_dtype="float32") == b.model.cfg
+    for (p, a), (_, c) in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                              jax.tree_util.tree_flatten_with_path(jax.device_get(b.weights.draft))[0]):
+        np.testing.assert_array_equal(a, c, err_msg=str(p))
+    np.testing.assert_array_equal(tied2["embed"], tied["embed"])
+
+
+@needs_default
+@pytest.mark.slow
+def test_default_qwen3_greedy_speculative_equals_plain_and_accepts():
+    from dspark_jax.bench.acceptance import make_requests, read_prompts
+    from dspark_jax.serve.engine import Engine, EngineConfig
+
+    b = default_qwen3()
+    reqs = make_requests(read_prompts(DEFAULT_QWEN3 / "prompts.jsonl", 2), b.tokenizer, max_tokens=24,
+                         temperature=0.0, max_prompt_tokens=64)
+    outs, tau = {}, None
+    for mode in ("plain", "off"):
+        eng = Engine(b.model, b.weights, EngineConfig(max_slots=2, max_len=128, mode=mode, progress=False))
+        outs[mode] = [r.tokens for r in eng.generate(reqs)]
+        tau = eng.metrics.tau
+    assert outs["off"] == outs["plain"] and all(len(t) == 24 for t in outs["plain"])
+    assert tau > 1.2, tau  # the trained draft really gets drafts accepted (a random one gives ~1.0)
