@@ -18,3 +18,19 @@ from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each test module.
+
+    XLA:CPU maps each executable's code into the process; one pytest process that keeps all of the suite's
+    programs alive crosses the kernel's per-process mapping limit (vm.max_map_count, 65530), and the next
+    compile dies with a segmentation fault. Tests within a module still share their compiles."""
+    yield
+    jax.clear_caches()
+    gc.collect()
