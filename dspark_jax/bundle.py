@@ -1,7 +1,7 @@
 """A model bundle: everything `dspark generate` / `dspark demo` need, in one folder.
 
     bundle.json            {"backbone": {"family": "mhc"|"qwen3", "config": {...}},
-                            "draft": {...DSparkConfig...}, "tap_mode": "entry"}
+                            "draft": {...DSparkConfig...}, "tap_mode": "entry"|"output"}
     backbone.safetensors   the backbone's param tree, keys joined with "."
     draft.safetensors      the draft's param tree (docs/params.md), keys joined with "."
     calibration.json       optional STS temperatures (dspark calibrate)
@@ -98,13 +98,13 @@ class Bundle:
 
 
 def save_bundle(path, *, backbone_family: str, backbone, backbone_params, draft_cfg: DSparkConfig, draft_params,
-                tap_mode: str = "entry", calibration: Calibration | None = None,
+                tap_mode: str | None = None, calibration: Calibration | None = None,
                 cost_table: CostTable | None = None, tokenizer_json: str | None = None) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     to_dict = backbone_families()[backbone_family][2]
     meta = {"backbone": {"family": backbone_family, "config": to_dict(backbone.cfg)},
-            "draft": draft_cfg.to_dict(), "tap_mode": tap_mode}
+            "draft": draft_cfg.to_dict(), "tap_mode": tap_mode or draft_cfg.tap_mode}
     (path / "bundle.json").write_text(json.dumps(meta, indent=2) + "\n")
     save_file(path / "backbone.safetensors", {k: np.asarray(v) for k, v in flatten(backbone_params).items()})
     save_file(path / "draft.safetensors", {k: np.asarray(v) for k, v in flatten(draft_params).items()})
@@ -141,7 +141,7 @@ def load_bundle(path, *, impl: str = "auto") -> Bundle:
 
         tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     temps = jnp.asarray(calibration.temperatures if calibration else np.ones(cfg.block_size), jnp.float32)
-    model = sr.SpecModel(backbone, cfg, tap_mode=meta.get("tap_mode", "entry"), impl=impl)
+    model = sr.SpecModel(backbone, cfg, tap_mode=meta.get("tap_mode"), impl=impl)
     weights = sr.Weights(bparams, dparams, backbone.tied(bparams), temps)
     return Bundle(model, weights, family, calibration, table, tokenizer, path)
 

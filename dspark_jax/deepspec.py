@@ -88,7 +88,8 @@ DTYPES = ("float32", "bfloat16")
 _HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings",
               "num_target_layers", "block_size", "mask_token_id", "target_layer_ids", "markov_rank",
-              "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+              "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "num_anchors",
+              "tie_word_embeddings")
 _OUR_FIELDS = ("family", "param_dtype", "compute_dtype")
 
 
@@ -116,6 +117,9 @@ class DeepSpecConfig:
     markov_head_type: str = "vanilla"
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = True
+    # Not used by the model; DeepSpec's loader requires them, so they are always written.
+    num_anchors: int = 512
+    tie_word_embeddings: bool = False
     family: str = FAMILY
     param_dtype: str = "bfloat16"
     compute_dtype: str = "bfloat16"
@@ -194,7 +198,9 @@ class DeepSpecConfig:
             _check(self.markov_head_type in MARKOV_HEAD_TYPES, "markov_head_type",
                    f"one of {MARKOV_HEAD_TYPES} (other DeepSpec Markov heads are not implemented)",
                    self.markov_head_type)
-        for name in ("enable_confidence_head", "confidence_head_with_markov"):
+        _check(_is_int(self.num_anchors) and self.num_anchors > 0, "num_anchors", "a positive integer",
+               self.num_anchors)
+        for name in ("enable_confidence_head", "confidence_head_with_markov", "tie_word_embeddings"):
             _check(isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name))
         if self.enable_confidence_head and self.confidence_head_with_markov:
             _check(self.markov_rank > 0, "confidence_head_with_markov",
@@ -227,7 +233,9 @@ class DeepSpecConfig:
         for key in ("mask_token_id", "target_layer_ids"):  # older exports keep these under dflash_config
             if key not in raw and key in legacy:
                 raw[key] = legacy[key]
-        for key in ("num_target_layers", "block_size", "mask_token_id", "target_layer_ids"):
+        # DeepSpec's own loader asserts the DSpark keys too; guessing them would silently change the model.
+        for key in ("num_target_layers", "block_size", "mask_token_id", "target_layer_ids", "markov_rank",
+                    "enable_confidence_head"):
             if key not in raw:
                 raise ConfigError(f"config field '{key}' is missing (required for a DeepSpec draft)")
         # Dimensions, activation, biases, sliding windows and RoPE are validated exactly as for a Qwen3 target.
@@ -236,7 +244,8 @@ class DeepSpecConfig:
                                                 "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                                                 "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings")}
         for key in ("num_target_layers", "block_size", "mask_token_id", "target_layer_ids", "markov_rank",
-                    "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", *_OUR_FIELDS):
+                    "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "num_anchors",
+                    "tie_word_embeddings", *_OUR_FIELDS):
             if key in raw and raw[key] is not None:
                 values[key] = raw[key]
         if "target_layer_ids" in values:
@@ -276,6 +285,8 @@ class DeepSpecConfig:
         for key in _HF_FIELDS:
             out[key] = getattr(self, key)
         out["target_layer_ids"] = list(self.target_layer_ids)
+        if self.markov_rank == 0:  # DeepSpec writes the head type only when there is a Markov head
+            del out["markov_head_type"]
         return out
 
     def to_dict(self) -> dict[str, Any]:

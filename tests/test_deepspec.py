@@ -209,8 +209,14 @@ def test_config_from_a_deepspec_config_json_and_errors():
                          (dict(attention_bias=True), "attention_bias")):
         with pytest.raises(ConfigError, match=word):
             DSparkConfig.from_dict({**raw, **change})
-    with pytest.raises(ConfigError, match="'block_size' is missing"):
-        DSparkConfig.from_dict({k: v for k, v in raw.items() if k != "block_size"})
+    for key in ("block_size", "markov_rank", "enable_confidence_head"):  # DeepSpec's loader requires them too
+        with pytest.raises(ConfigError, match=f"'{key}' is missing"):
+            DSparkConfig.from_dict({k: v for k, v in raw.items() if k != key})
+    # What DeepSpec's loader needs is written even when the source lacked it; no head type without a head.
+    bare = {k: v for k, v in raw.items() if k not in ("num_anchors", "tie_word_embeddings")}
+    written = DSparkConfig.from_dict({**bare, "markov_rank": 0, "confidence_head_with_markov": False}).to_hf_dict()
+    assert written["num_anchors"] == 512 and written["tie_word_embeddings"] is False
+    assert "markov_head_type" not in written
     with pytest.raises(ConfigError, match="DeepSpecConfig"):
         DSparkConfig(family="qwen3")
 

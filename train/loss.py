@@ -260,7 +260,7 @@ def loss_sums(ce: jax.Array, l1: jax.Array, conf_logits: jax.Array, mask: jax.Ar
     """Additive (over blocks and micro-batches) sums of the per-slot terms, each [N, K] -> scalar or [K]."""
     mask = mask.astype(bool)
     w = jnp.where(mask, position_weights(mask.shape[-1], decay_gamma), 0.0)
-    acc = 1.0 - 0.5 * l1
+    acc = jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0)  # rounding can leave [0, 1]; DeepSpec clamps the same way
     z = conf_logits.astype(F32)
     target = lax.stop_gradient(acc)
     bce = jax.nn.softplus(z) - target * z  # BCE(sigmoid(z), target), stable form
