@@ -23,6 +23,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -60,8 +61,9 @@ def save_checkpoint(out: Path, cfg: MhcConfig, params, state: dict) -> None:
     (out / "train_state.json").write_text(json.dumps(state, indent=2) + "\n")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arg_parser(description: str, **defaults) -> argparse.ArgumentParser:
+    """The LM trainer's options; `defaults` override per backbone family (scripts/train_backbone_qwen3.py)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--config", default="configs/default_backbone.json")
     ap.add_argument("--data", default="build/default_model/corpus", help="folder with train.bin / heldout.bin")
     ap.add_argument("--out", default="build/default_model/backbone")
@@ -77,15 +79,18 @@ def main(argv=None) -> int:
     ap.add_argument("--ckpt-every", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--eval-batches", type=int, default=8)
-    args = ap.parse_args(argv)
+    ap.set_defaults(**defaults)
+    return ap
 
-    cfg = MhcConfig.from_json(args.config)
-    bb = MhcBackbone(cfg)
+
+def train_lm(bb, args, save: Callable[[Path, Any, dict], None], name: str = "backbone") -> int:
+    """Train backbone `bb` (any family with init_params / init_cache / forward) as a next-token LM;
+    `save(out, params, state)` writes a checkpoint in the family's own format."""
     data = Path(args.data)
     train, held = load_tokens(data / "train.bin"), load_tokens(data / "heldout.bin")
     params = bb.init_params(jax.random.key(args.seed))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    print(f"backbone: {n_params / 1e6:.2f}M params; train {train.size} tokens, held-out {held.size}", flush=True)
+    print(f"{name}: {n_params / 1e6:.2f}M params; train {train.size} tokens, held-out {held.size}", flush=True)
 
     decay_mask = jax.tree.map(lambda x: x.ndim >= 2, params)
     opt = optax.chain(optax.clip_by_global_norm(args.clip),
@@ -115,11 +120,12 @@ def main(argv=None) -> int:
 
     rng = np.random.default_rng(args.seed)
     out = Path(args.out)
-    log = open(out.mkdir(parents=True, exist_ok=True) or out / "log.jsonl", "a")
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "log.jsonl", "a")
     budget = args.minutes * 60.0
     t0 = time.time()
     step, ema, progress, held_loss = 0, None, 0.0, float("nan")
-    bar = tqdm(total=args.steps, desc="backbone", unit="step", mininterval=5.0)
+    bar = tqdm(total=args.steps, desc=name, unit="step", mininterval=5.0)
     while progress < 1.0:
         lr = lr_at(progress, args.lr, args.warmup, 0.1)
         window = jnp.asarray(sample_windows(rng, train, args.batch, args.seq_len + 1))
@@ -141,12 +147,18 @@ def main(argv=None) -> int:
         log.write(json.dumps(rec) + "\n")
         log.flush()
         if step % args.ckpt_every == 0 or progress >= 1.0:
-            save_checkpoint(out, cfg, params, {**rec, "done": progress >= 1.0, "params": n_params,
-                                               "seq_len": args.seq_len, "batch": args.batch})
+            save(out, params, {**rec, "done": progress >= 1.0, "params": n_params,
+                               "seq_len": args.seq_len, "batch": args.batch})
     bar.close()
     print(f"done: {step} steps, {step * args.batch * args.seq_len} tokens, train loss(ema) {ema:.4f}, "
           f"held-out loss {held_loss:.4f} -> {out}", flush=True)
     return 0
+
+
+def main(argv=None) -> int:
+    args = arg_parser(__doc__.splitlines()[0]).parse_args(argv)
+    cfg = MhcConfig.from_json(args.config)
+    return train_lm(MhcBackbone(cfg), args, lambda out, params, state: save_checkpoint(out, cfg, params, state))
 
 
 if __name__ == "__main__":
