@@ -59,7 +59,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -69,7 +68,7 @@ import jax.numpy as jnp
 
 from dspark_jax import sampling
 from dspark_jax.backbones.qwen3 import apply_rope_split_half
-from dspark_jax.config import ConfigError
+from dspark_jax.config import ConfigError, check_field, is_int, is_number, read_json_config
 from dspark_jax.heads import markov_sample_loop
 from dspark_jax.nn.norm import rms_norm
 
@@ -173,48 +172,48 @@ class DeepSpecConfig:
     # ---- validation ----------------------------------------------------------------------------
     def __post_init__(self):
         object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
-        _check(self.family == FAMILY, "family", repr(FAMILY), self.family)
+        check_field(self.family == FAMILY, "family", repr(FAMILY), self.family)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "num_target_layers", "block_size",
                      "max_position_embeddings"):
             v = getattr(self, name)
-            _check(_is_int(v) and v > 0, name, "a positive integer", v)
-        _check(_is_int(self.markov_rank) and self.markov_rank >= 0, "markov_rank", "a non-negative integer",
+            check_field(is_int(v) and v > 0, name, "a positive integer", v)
+        check_field(is_int(self.markov_rank) and self.markov_rank >= 0, "markov_rank", "a non-negative integer",
                self.markov_rank)
-        _check(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+        check_field(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
                f"a divisor of num_attention_heads={self.num_attention_heads}", self.num_key_value_heads)
-        _check(self.head_dim % 2 == 0, "head_dim", "an even number (split-half RoPE)", self.head_dim)
-        _check(_is_int(self.mask_token_id) and 0 <= self.mask_token_id < self.vocab_size, "mask_token_id",
+        check_field(self.head_dim % 2 == 0, "head_dim", "an even number (split-half RoPE)", self.head_dim)
+        check_field(is_int(self.mask_token_id) and 0 <= self.mask_token_id < self.vocab_size, "mask_token_id",
                f"a token id in [0, vocab_size={self.vocab_size})", self.mask_token_id)
         ids = self.target_layer_ids
         last = self.num_target_layers - 1
-        _check(len(ids) >= 1 and all(_is_int(i) for i in ids), "target_layer_ids",
+        check_field(len(ids) >= 1 and all(is_int(i) for i in ids), "target_layer_ids",
                "a non-empty list of target layer ids", list(ids))
-        _check(all(-1 <= i < last for i in ids), "target_layer_ids",
+        check_field(all(-1 <= i < last for i in ids), "target_layer_ids",
                f"layer ids in [-1, {last - 1}] (-1 = embeddings; the last layer {last} is excluded: DeepSpec "
                "reads Hugging Face hidden_states, whose last entry is after the final norm)", list(ids))
-        _check(all(a < b for a, b in zip(ids, ids[1:])), "target_layer_ids", "strictly increasing ids", list(ids))
+        check_field(all(a < b for a, b in zip(ids, ids[1:])), "target_layer_ids", "strictly increasing ids", list(ids))
         if self.markov_rank > 0:
-            _check(self.markov_head_type in MARKOV_HEAD_TYPES, "markov_head_type",
+            check_field(self.markov_head_type in MARKOV_HEAD_TYPES, "markov_head_type",
                    f"one of {MARKOV_HEAD_TYPES} (other DeepSpec Markov heads are not implemented)",
                    self.markov_head_type)
-        _check(_is_int(self.num_anchors) and self.num_anchors > 0, "num_anchors", "a positive integer",
+        check_field(is_int(self.num_anchors) and self.num_anchors > 0, "num_anchors", "a positive integer",
                self.num_anchors)
         for name in ("enable_confidence_head", "confidence_head_with_markov", "tie_word_embeddings"):
-            _check(isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name))
+            check_field(isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name))
         if self.enable_confidence_head and self.confidence_head_with_markov:
-            _check(self.markov_rank > 0, "confidence_head_with_markov",
+            check_field(self.markov_rank > 0, "confidence_head_with_markov",
                    "false when markov_rank is 0 (there is no W1[prev] to read)", True)
         for name in ("rms_norm_eps", "rope_theta"):
             v = getattr(self, name)
-            _check(_is_num(v) and v > 0, name, "a positive number", v)
+            check_field(is_number(v) and v > 0, name, "a positive number", v)
         for name in ("param_dtype", "compute_dtype"):
-            _check(getattr(self, name) in DTYPES, name, f"one of {DTYPES}", getattr(self, name))
+            check_field(getattr(self, name) in DTYPES, name, f"one of {DTYPES}", getattr(self, name))
         try:
             extra = json.loads(self.extra_json)
         except (TypeError, json.JSONDecodeError):
             extra = None
-        _check(isinstance(extra, dict), "extra_json", "a JSON object", self.extra_json)
+        check_field(isinstance(extra, dict), "extra_json", "a JSON object", self.extra_json)
 
     # ---- I/O -----------------------------------------------------------------------------------
     @classmethod
@@ -250,7 +249,7 @@ class DeepSpecConfig:
                 values[key] = raw[key]
         if "target_layer_ids" in values:
             ids = values["target_layer_ids"]
-            _check(isinstance(ids, (list, tuple)), "target_layer_ids", "a list of layer ids", ids)
+            check_field(isinstance(ids, (list, tuple)), "target_layer_ids", "a list of layer ids", ids)
         if values.get("markov_rank", 256) == 0:
             values.setdefault("markov_head_type", "none")
         if not values.get("enable_confidence_head", True):
@@ -265,19 +264,7 @@ class DeepSpecConfig:
 
     @classmethod
     def from_json(cls, path: str | Path, **overrides) -> "DeepSpecConfig":
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path} is not valid JSON: {err}") from None
-        try:
-            return cls.from_dict(raw, **overrides)
-        except ConfigError as err:
-            raise ConfigError(f"{path}: {err}") from None
+        return read_json_config(path, lambda raw: cls.from_dict(raw, **overrides))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The DeepSpec `config.json` (the keys we model, always written, plus the kept foreign keys)."""
@@ -299,19 +286,6 @@ class DeepSpecConfig:
 
     def replace(self, **changes) -> "DeepSpecConfig":
         return dataclasses.replace(self, **changes)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _check(ok: bool, field: str, expected: str, got: Any) -> None:
-    if not ok:
-        raise ConfigError(f"config field '{field}': expected {expected}, got {got!r}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -515,7 +489,7 @@ class DeepSpecState(NamedTuple):
 def init_state(cfg: DeepSpecConfig, batch: int, max_len: int | None = None) -> DeepSpecState:
     """Context K/V for `max_len` positions per row (the backbone cache's length: the draft keeps ALL
     committed context, not a window)."""
-    if not (_is_int(max_len) and max_len > 0):
+    if not (is_int(max_len) and max_len > 0):
         raise ValueError(f"init_state: the DeepSpec draft keeps every committed context row, so it needs "
                          f"'max_len' (a positive integer, the backbone cache length); got {max_len!r}")
     shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)

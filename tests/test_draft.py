@@ -13,7 +13,6 @@ from test_nn import np_hc_mixes
 from dspark_jax import draft, sampling
 from dspark_jax.config import DSparkConfig
 from dspark_jax.nn.attention import WindowAttention
-from dspark_jax.nn.mhc import one_hot_pre
 
 CFG = DSparkConfig.from_json(CONFIGS / "tiny_v41.json")
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.schedule import (
-    CostTable, CostTableWarning, async_capacity, expected_throughput, schedule_async, schedule_sync, survival)
+    CostTable, CostTableWarning, async_capacity, expected_throughput, schedule_async, schedule_sync)
 
 # ---------------------------------------------------------------------------------------------------
 # Slow references: plain Python, written from SPEC section 6, sharing no code with the package.

@@ -202,11 +202,8 @@ def test_sampled_output_is_distributed_as_the_backbone():
     p1 = next_probs(jnp.asarray(base[None]))[0]
     ctx2 = np.array([np.r_[base, a] for a in range(v)])
     p21 = next_probs(jnp.asarray(ctx2))  # [t1, t2]
-    ctx3 = np.array([np.r_[base, a, c] for a in range(v) for c in range(v)])
-    p3_12 = next_probs(jnp.asarray(ctx3)).reshape(v, v, v)
     joint12 = p1[:, None] * p21
     p2 = joint12.sum(0)
-    p3 = (joint12[..., None] * p3_12).sum((0, 1))
     second = out.tokens[:, 0]  # the round's first emitted token: an accepted draft or a correction
     _chi2(first, p1)
     _chi2(second, p2)

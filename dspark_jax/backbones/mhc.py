@@ -23,8 +23,6 @@ fp8-rounded after RoPE (`kv_fp8`) and cached; softmax with a per-head sink; inve
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -34,7 +32,7 @@ import jax.numpy as jnp
 
 from dspark_jax.backbones.base import (Backbone, BackboneOutput, as_dtype, cache_attention, cache_visibility,
                                        query_positions, record_taps, taps_to_features, write_rows)
-from dspark_jax.config import SCORE_FUNCS, ConfigError
+from dspark_jax.config import SCORE_FUNCS, ConfigError, check_field, is_number, read_json_config
 from dspark_jax.nn.attention import WindowAttention, grouped_out_proj
 from dspark_jax.nn.mhc import HyperConnection, hc_post, hc_pre, one_hot_pre
 from dspark_jax.nn.moe import MoE, swiglu_mlp
@@ -80,34 +78,34 @@ class MhcConfig:
         ints += ["n_activated_experts", "moe_inter_dim"] if self.n_routed_experts else ["inter_dim"]
         for name in ints:
             v = getattr(self, name)
-            _check(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "a positive integer", v)
+            check_field(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "a positive integer", v)
         for name in ("n_routed_experts", "n_shared_experts"):
             v = getattr(self, name)
-            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 0, name, "a non-negative integer", v)
-        _check(self.rope_head_dim % 2 == 0 and self.rope_head_dim <= self.head_dim, "rope_head_dim",
+            check_field(isinstance(v, int) and not isinstance(v, bool) and v >= 0, name, "a non-negative integer", v)
+        check_field(self.rope_head_dim % 2 == 0 and self.rope_head_dim <= self.head_dim, "rope_head_dim",
                f"an even number <= head_dim={self.head_dim}", self.rope_head_dim)
-        _check(self.n_heads % self.o_groups == 0, "o_groups", f"a divisor of n_heads={self.n_heads}", self.o_groups)
+        check_field(self.n_heads % self.o_groups == 0, "o_groups", f"a divisor of n_heads={self.n_heads}", self.o_groups)
         if self.n_routed_experts:
-            _check(self.n_activated_experts <= self.n_routed_experts, "n_activated_experts",
+            check_field(self.n_activated_experts <= self.n_routed_experts, "n_activated_experts",
                    f"at most n_routed_experts={self.n_routed_experts}", self.n_activated_experts)
-            _check(self.score_func in SCORE_FUNCS, "score_func", f"one of {SCORE_FUNCS}", self.score_func)
+            check_field(self.score_func in SCORE_FUNCS, "score_func", f"one of {SCORE_FUNCS}", self.score_func)
         for name in ("rope_theta", "route_scale", "swiglu_limit"):
             v = getattr(self, name)
-            _check(_is_num(v) and v > 0, name, "a positive number", v)
+            check_field(is_number(v) and v > 0, name, "a positive number", v)
         for name in ("hc_eps", "norm_eps"):
             v = getattr(self, name)
-            _check(_is_num(v) and 0 < v < 1, name, "a number in (0, 1)", v)
+            check_field(is_number(v) and 0 < v < 1, name, "a number in (0, 1)", v)
         for name in ("kv_fp8", "act_fp8", "norm_topk_prob"):
-            _check(isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name))
+            check_field(isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name))
         for name in ("param_dtype", "compute_dtype"):
-            _check(getattr(self, name) in DTYPES, name, f"one of {DTYPES}", getattr(self, name))
+            check_field(getattr(self, name) in DTYPES, name, f"one of {DTYPES}", getattr(self, name))
         if self.kv_fp8:
-            _check(self.head_dim % 32 == 0, "head_dim", "a multiple of 32 when kv_fp8 (fp8 blocks of 32)",
+            check_field(self.head_dim % 32 == 0, "head_dim", "a multiple of 32 when kv_fp8 (fp8 blocks of 32)",
                    self.head_dim)
         if self.act_fp8:
             for name in ("dim", "q_lora_rank", "moe_inter_dim" if self.n_routed_experts else "inter_dim"):
-                _check(getattr(self, name) % 32 == 0, name, "a multiple of 32 when act_fp8", getattr(self, name))
-            _check(self.o_groups * self.o_lora_rank % 32 == 0, "o_lora_rank",
+                check_field(getattr(self, name) % 32 == 0, name, "a multiple of 32 when act_fp8", getattr(self, name))
+            check_field(self.o_groups * self.o_lora_rank % 32 == 0, "o_lora_rank",
                    "o_groups * o_lora_rank a multiple of 32 when act_fp8", self.o_lora_rank)
 
     @property
@@ -135,17 +133,7 @@ class MhcConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "MhcConfig":
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path} is not valid JSON: {err}") from None
-        try:
-            return cls.from_dict(raw)
-        except ConfigError as err:
-            raise ConfigError(f"{path}: {err}") from None
+        return read_json_config(path, cls.from_dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -156,15 +144,6 @@ class MhcConfig:
 
 _ALIASES = {"vocab": "vocab_size", "hidden_size": "dim", "num_attention_heads": "n_heads",
             "qk_rope_head_dim": "rope_head_dim", "rms_norm_eps": "norm_eps"}
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _check(ok: bool, field: str, expected: str, got: Any) -> None:
-    if not ok:
-        raise ConfigError(f"config field '{field}': expected {expected}, got {got!r}")
 
 
 # ---------------------------------------------------------------------------------------------------

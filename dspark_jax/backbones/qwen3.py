@@ -28,8 +28,6 @@ lm_head                    [V, D]            (vocab, embed)     lm_head.weight  
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -41,7 +39,7 @@ import numpy as np
 from dspark_jax.backbones.base import (Backbone, BackboneOutput, as_dtype, cache_attention, cache_visibility,
                                        query_positions, record_taps, taps_to_features, write_rows)
 from dspark_jax.checkpoint.safetensors_io import CheckpointError, open_checkpoint
-from dspark_jax.config import ConfigError
+from dspark_jax.config import ConfigError, check_field, is_number, read_json_config
 from dspark_jax.nn.linear import Linear
 from dspark_jax.nn.norm import RMSNorm, rms_norm
 from dspark_jax.nn.params import param
@@ -85,17 +83,17 @@ class Qwen3Config:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "max_position_embeddings"):
             v = getattr(self, name)
-            _check(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "a positive integer", v)
-        _check(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+            check_field(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "a positive integer", v)
+        check_field(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
                f"a divisor of num_attention_heads={self.num_attention_heads}", self.num_key_value_heads)
-        _check(self.head_dim % 2 == 0, "head_dim", "an even number (RoPE rotates pairs)", self.head_dim)
-        _check(_is_num(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1, "rms_norm_eps", "a number in (0, 1)",
+        check_field(self.head_dim % 2 == 0, "head_dim", "an even number (RoPE rotates pairs)", self.head_dim)
+        check_field(is_number(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1, "rms_norm_eps", "a number in (0, 1)",
                self.rms_norm_eps)
-        _check(_is_num(self.rope_theta) and self.rope_theta > 1, "rope_theta", "a number > 1", self.rope_theta)
-        _check(isinstance(self.tie_word_embeddings, bool), "tie_word_embeddings", "true or false",
+        check_field(is_number(self.rope_theta) and self.rope_theta > 1, "rope_theta", "a number > 1", self.rope_theta)
+        check_field(isinstance(self.tie_word_embeddings, bool), "tie_word_embeddings", "true or false",
                self.tie_word_embeddings)
         for name in ("param_dtype", "compute_dtype"):
-            _check(getattr(self, name) in DTYPES, name, f"one of {DTYPES}", getattr(self, name))
+            check_field(getattr(self, name) in DTYPES, name, f"one of {DTYPES}", getattr(self, name))
 
     # ---- Hugging Face config.json -----------------------------------------------------------------
     @classmethod
@@ -111,13 +109,13 @@ class Qwen3Config:
             if key not in raw:
                 raise ConfigError(f"config field '{key}' is missing (required for a Qwen3 config)")
         act = raw.get("hidden_act", "silu")
-        _check(act == "silu", "hidden_act", "'silu' (SwiGLU MLP)", act)
-        _check(not raw.get("attention_bias", False), "attention_bias", "false (biased q/k/v/o not implemented)",
+        check_field(act == "silu", "hidden_act", "'silu' (SwiGLU MLP)", act)
+        check_field(not raw.get("attention_bias", False), "attention_bias", "false (biased q/k/v/o not implemented)",
                raw.get("attention_bias"))
-        _check(not raw.get("use_sliding_window", False), "use_sliding_window",
+        check_field(not raw.get("use_sliding_window", False), "use_sliding_window",
                "false (sliding-window layers not implemented)", raw.get("use_sliding_window"))
         bad_layers = [t for t in raw.get("layer_types") or () if t != "full_attention"]
-        _check(not bad_layers, "layer_types", "only 'full_attention' layers", bad_layers)
+        check_field(not bad_layers, "layer_types", "only 'full_attention' layers", bad_layers)
         values = {k: raw[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                       "num_attention_heads")}
         heads = raw["num_attention_heads"]
@@ -125,7 +123,7 @@ class Qwen3Config:
         head_dim = raw.get("head_dim")
         if head_dim is None:  # HF default
             hs = raw["hidden_size"]
-            _check(isinstance(heads, int) and heads > 0 and isinstance(hs, int) and hs % heads == 0, "head_dim",
+            check_field(isinstance(heads, int) and heads > 0 and isinstance(hs, int) and hs % heads == 0, "head_dim",
                    "present, or hidden_size divisible by num_attention_heads", None)
             head_dim = hs // heads
         values["head_dim"] = head_dim
@@ -143,19 +141,7 @@ class Qwen3Config:
     @classmethod
     def from_hf_json(cls, path: str | Path, **overrides) -> "Qwen3Config":
         """Load `config.json` (or the folder holding it)."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path} is not valid JSON: {err}") from None
-        try:
-            return cls.from_hf_dict(raw, **overrides)
-        except ConfigError as err:
-            raise ConfigError(f"{path}: {err}") from None
+        return read_json_config(path, lambda raw: cls.from_hf_dict(raw, **overrides))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face config.json spelling (what `transformers.Qwen3Config(**d)` accepts), plus our
@@ -191,15 +177,6 @@ def _rope_theta(raw: dict) -> float:
     if len({v for _, v in thetas}) > 1:
         raise ConfigError(f"config fields disagree on the RoPE base: {dict(thetas)}")
     return thetas[0][1]
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _check(ok: bool, field: str, expected: str, got: Any) -> None:
-    if not ok:
-        raise ConfigError(f"config field '{field}': expected {expected}, got {got!r}")
 
 
 # ---------------------------------------------------------------------------------------------------
