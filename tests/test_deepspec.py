@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import CONFIGS
+from spec_helpers import oracle_propose, padded, plain_greedy_tokens, random_prompts
 
 from dspark_jax import deepspec as ds
 from dspark_jax import draft, sampling
@@ -356,40 +357,12 @@ def test_ingest_in_chunks_equals_prefill_and_reset_rows():
 # ---------------------------------------------------------------------------------------------------
 
 
-def oracle_propose(model, weights, state, params, seeds, filtering):
-    """Proposes the backbone's greedy continuation with a deterministic pattern of corrupted positions,
-    so rounds accept every count 0..K."""
-    bb, v = model.backbone, model.backbone.vocab_size
-    cache, tok, toks = state.cache, state.anchor, []
-    for _ in range(K):
-        out = bb.forward(weights.backbone, cache, tok[:, None])
-        cache = bb.commit(out.cache, jnp.ones_like(tok))
-        tok = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
-        toks.append(tok)
-    tokens = jnp.stack(toks, axis=1)
-    bad = (seeds[:, None].astype(jnp.int32) * 7 + state.draft.length[:, None] * 3 + jnp.arange(K)) % 7 == 0
-    tokens = jnp.where(bad, (tokens + 1) % v, tokens)
-    b = tokens.shape[0]
-    return draft.DraftOutput(tokens, jax.nn.one_hot(tokens, v) * 30.0, jnp.zeros((b, K)), jnp.zeros((b, K, 0)),
-                             jnp.zeros((b, K, CFG.dim)))
-
-
 @functools.lru_cache(maxsize=None)
 def pair():
     bb = Qwen3Backbone(BCFG)
     bp = bb.init_params(jax.random.key(0))
     dp = draft.init_params(CFG, jax.random.key(1))
     return bb, sr.Weights(bp, dp, bb.tied(bp), jnp.ones(K))
-
-
-def prompts(n, seed=1, vocab=512):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, size=int(rng.integers(1, 12))).tolist() for _ in range(n)]
-
-
-def _padded(ps):
-    t = max(len(p) for p in ps)
-    return jnp.asarray([p + [0] * (t - len(p)) for p in ps], jnp.int32), jnp.asarray([len(p) for p in ps])
 
 
 N, STEPS, MAXLEN = 22, 40, 72
@@ -401,18 +374,7 @@ def plain_greedy():
     differ in the last bits between a 1-token and a K+1-token forward, see tests/test_spec_round.py
     `family`; the Qwen3 backbone has no fp8 rounding to amplify that.)"""
     bb, weights = pair()
-    model = sr.SpecModel(bb, CFG, impl="xla")
-    prompt, plen = _padded(prompts(N))
-    sp, seeds, active = sampling.SamplingParams.greedy(N), jnp.arange(N, dtype=jnp.uint32), jnp.ones(N, bool)
-
-    @jax.jit
-    def run(weights):
-        st, first = sr.start(model, weights, sr.init_state(model, N, MAXLEN), prompt, plen, active, sp, seeds)
-        _, toks = jax.lax.scan(lambda st, _: sr.plain_step(model, weights, st, sp, seeds, active), st, None,
-                               length=STEPS)
-        return jnp.concatenate([first[:, None], toks.T], axis=1)
-
-    return np.asarray(run(weights))
+    return plain_greedy_tokens(sr.SpecModel(bb, CFG, impl="xla"), weights, random_prompts(N, seed=1), STEPS, MAXLEN)
 
 
 @pytest.mark.parametrize("which", ["oracle", "real"])
@@ -424,7 +386,7 @@ def test_greedy_speculative_equals_plain_decoding(which):
     bb, weights = pair()
     model = sr.SpecModel(bb, CFG, impl="xla", propose_fn=oracle_propose if which == "oracle" else None)
     assert model.tap_mode == "output"
-    prompt, plen = _padded(prompts(N))
+    prompt, plen = padded(random_prompts(N, seed=1))
     sp, seeds, active = sampling.SamplingParams.greedy(N), jnp.arange(N, dtype=jnp.uint32), jnp.ones(N, bool)
     state, first = jax.jit(sr.start, static_argnums=0)(model, weights, sr.init_state(model, N, MAXLEN), prompt, plen,
                                                        active, sp, seeds)

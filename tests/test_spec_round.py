@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from conftest import CONFIGS
 from scipy import stats
+from spec_helpers import oracle_propose, padded, plain_greedy_tokens
+from spec_helpers import random_prompts as prompts
 
 from dspark_jax import draft, sampling
 from dspark_jax import spec_round as sr
@@ -19,28 +21,6 @@ from dspark_jax.serve.engine import Engine, EngineConfig, Request
 
 CFG = DSparkConfig.from_json(CONFIGS / "tiny_v41.json")
 K = CFG.block_size
-
-
-def oracle_propose(model, weights, state, params, seeds, filtering):
-    """A test draft that proposes the backbone's own greedy continuation with some positions
-    corrupted (a deterministic pattern of seed, position and k), so rounds accept 0..K drafts."""
-    bb, v = model.backbone, bb_vocab(model)
-    cache, tok, toks = state.cache, state.anchor, []
-    for _ in range(K):
-        out = bb.forward(weights.backbone, cache, tok[:, None])
-        cache = bb.commit(out.cache, jnp.ones_like(tok))
-        tok = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
-        toks.append(tok)
-    tokens = jnp.stack(toks, axis=1)
-    bad = (seeds[:, None].astype(jnp.int32) * 7 + state.draft.length[:, None] * 3 + jnp.arange(K)) % 7 == 0
-    tokens = jnp.where(bad, (tokens + 1) % v, tokens)
-    b = tokens.shape[0]
-    return draft.DraftOutput(tokens, jax.nn.one_hot(tokens, v) * 30.0, jnp.zeros((b, K)), jnp.zeros((b, K, 0)),
-                             jnp.zeros((b, K, CFG.dim)))
-
-
-def bb_vocab(model):
-    return model.backbone.vocab_size
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,33 +43,11 @@ def family(name):
     return bb, sr.Weights(bp, dp, bb.tied(bp), jnp.ones(K))
 
 
-def prompts(n, seed=0, vocab=512):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, size=int(rng.integers(1, 12))).tolist() for _ in range(n)]
-
-
-def _padded(ps):
-    t = max(len(p) for p in ps)
-    return (jnp.asarray([p + [0] * (t - len(p)) for p in ps], jnp.int32), jnp.asarray([len(p) for p in ps]))
-
-
 @functools.lru_cache(maxsize=None)
 def plain_greedy(name, n_prompts, steps, maxlen):
     """Plain autoregressive greedy decoding of the backbone, batched: i32[n, steps + 1]."""
     bb, weights = family(name)
-    model = sr.SpecModel(bb, CFG, impl="xla")
-    prompt, plen = _padded(prompts(n_prompts, seed=1))
-    b = prompt.shape[0]
-    sp, seeds, active = sampling.SamplingParams.greedy(b), jnp.arange(b, dtype=jnp.uint32), jnp.ones(b, bool)
-
-    @jax.jit
-    def run(weights):
-        st, first = sr.start(model, weights, sr.init_state(model, b, maxlen), prompt, plen, active, sp, seeds)
-        _, toks = jax.lax.scan(lambda st, _: sr.plain_step(model, weights, st, sp, seeds, active), st, None,
-                               length=steps)
-        return jnp.concatenate([first[:, None], toks.T], axis=1)
-
-    return np.asarray(run(weights))
+    return plain_greedy_tokens(sr.SpecModel(bb, CFG, impl="xla"), weights, prompts(n_prompts, seed=1), steps, maxlen)
 
 
 @pytest.mark.parametrize("name", ["mhc", "qwen3"])
@@ -101,7 +59,7 @@ def test_greedy_speculative_equals_plain_decoding(name):
     want = plain_greedy(name, n, steps, maxlen)
     bb, weights = family(name)
     model = sr.SpecModel(bb, CFG, impl="xla", propose_fn=oracle_propose)
-    prompt, plen = _padded(prompts(n, seed=1))
+    prompt, plen = padded(prompts(n, seed=1))
     sp, seeds, active = sampling.SamplingParams.greedy(n), jnp.arange(n, dtype=jnp.uint32), jnp.ones(n, bool)
     state, first = sr.start(model, weights, sr.init_state(model, n, maxlen), prompt, plen, active, sp, seeds)
     rnd = jax.jit(sr.spec_round, static_argnums=0, static_argnames=("width", "mode", "filtering"))
