@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracles import reference_probs
 from scipy import stats
 
 from dspark_jax import sampling
@@ -18,28 +19,6 @@ _sample = jax.jit(sample)
 _process = jax.jit(process_logits)
 _uniform = jax.jit(uniform)
 _gumbel = jax.jit(gumbel, static_argnums=3)
-
-
-def reference_probs(logits, temperature, top_k, top_p):
-    """float64 statement of the rules in process_logits' docstring."""
-    z = np.asarray(logits, np.float64)
-    vocab = z.shape[-1]
-    if temperature == 0:
-        out = np.zeros(vocab)
-        out[np.argmax(z)] = 1.0
-        return out
-    z = z / temperature
-    if 0 < top_k < vocab:
-        kth = np.sort(z)[::-1][top_k - 1]
-        z = np.where(z < kth, -np.inf, z)
-    if top_p < 1:
-        s = np.sort(z)[::-1]
-        pr = np.exp(s - s[0])
-        pr /= pr.sum()
-        before = np.cumsum(pr) - pr
-        z = np.where(z < s[before < top_p].min(), -np.inf, z)
-    e = np.exp(z - z.max())
-    return e / e.sum()
 
 
 def _kept(rows, **kw):
