@@ -68,6 +68,7 @@ import jax.numpy as jnp
 
 from dspark_jax import sampling
 from dspark_jax.backbones.qwen3 import apply_rope_split_half
+from dspark_jax.checkpoint.trees import unflatten_paths
 from dspark_jax.config import ConfigError, check_field, is_int, is_number, read_json_config
 from dspark_jax.heads import markov_sample_loop
 from dspark_jax.nn.norm import rms_norm
@@ -338,17 +339,7 @@ def _init_boxed(cfg: DeepSpecConfig, key: jax.Array) -> dict:
     dtype = jnp.dtype(cfg.param_dtype)
     flat = {path: nn.LogicallyPartitioned(_init_leaf(k, shape, init, dtype), axes)
             for (path, (shape, axes, init)), k in zip(specs.items(), keys)}
-    return _unflatten(flat)
-
-
-def _unflatten(flat: dict[tuple[str, ...], Any]) -> dict:
-    root: dict = {}
-    for path, v in flat.items():
-        node = root
-        for p in path[:-1]:
-            node = node.setdefault(p, {})
-        node[path[-1]] = v
-    return root
+    return unflatten_paths(flat)
 
 
 def init_params(cfg: DeepSpecConfig, key: jax.Array) -> dict:

@@ -23,6 +23,7 @@ from dspark_jax.checkpoint import formats, orbax_io, v41
 from dspark_jax.checkpoint.safetensors_io import (
     CheckpointError, SafetensorsWriter, TensorSpec, open_checkpoint, save_file,
 )
+from dspark_jax.checkpoint.trees import unflatten_paths
 from dspark_jax.config import DSparkConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -406,7 +407,7 @@ def test_fp4_odd_inner_dimension_is_an_error(tmp_path):
     with pytest.raises(CheckpointError, match=r"experts\.0\.w2\.weight.*odd inner dimension 33"):
         v41.detect(reader, "mtp.0.ffn.experts.0.w2.weight", (64, 33))
     params = {"/".join(p): np.zeros(s, np.float32) for p, s in v41.expected_shapes(cfg).items()}
-    params = v41._unflatten({tuple(k.split("/")): v for k, v in params.items()})
+    params = unflatten_paths({tuple(k.split("/")): v for k, v in params.items()})
     with pytest.raises(CheckpointError, match=r"experts\.0\.w2\.weight.*even inner dimension"):
         v41.export_v41_draft(params, None, cfg, tmp_path / "out", fmt="fp8")
     assert not list((tmp_path / "out").glob("*.safetensors"))  # nothing half-written
@@ -735,7 +736,7 @@ def _random_params(cfg, rng, dtype):
     for p, s in shapes.items():
         f32 = p[-1] in F32_LEAVES or p[-2] in F32_LEAVES
         tree[p] = (rng.standard_normal(s) * 0.05).astype(np.float32 if f32 else dtype)
-    return v41._unflatten(tree)
+    return unflatten_paths(tree)
 
 
 def test_export_bf16_roundtrip_is_exact(tmp_path):

@@ -17,6 +17,7 @@ from dspark_jax import spec_round as sr
 from dspark_jax.backbones.qwen3 import Qwen3Backbone, Qwen3Config
 from dspark_jax.checkpoint import deepspec as ckpt
 from dspark_jax.checkpoint.safetensors_io import CheckpointError, open_checkpoint
+from dspark_jax.checkpoint.trees import unflatten_paths
 from dspark_jax.config import ConfigError, DSparkConfig
 
 CFG = DSparkConfig.from_json(CONFIGS / "tiny_deepspec.json")
@@ -234,13 +235,7 @@ def _our_params(weights, cfg=CFG):
         fwd = ckpt.TRANSFORMS[it.entry.transform][0]
         parts = [fwd(weights[n]) for n in it.names]
         flat[it.path] = jnp.asarray(np.stack(parts) if it.entry.per_layer else parts[0], jnp.float32)
-    params: dict = {}
-    for p, v in flat.items():
-        node = params
-        for k in p[:-1]:
-            node = node.setdefault(k, {})
-        node[p[-1]] = v
-    return params
+    return unflatten_paths(flat)
 
 
 def test_context_features_and_kv_injection_with_k_norm_and_split_half_rope():

@@ -28,6 +28,7 @@ import numpy as np
 from dspark_jax.checkpoint.safetensors_io import (
     CheckpointError, CheckpointReader, SafetensorsWriter, TensorSpec, open_checkpoint,
 )
+from dspark_jax.checkpoint.trees import flatten_paths, unflatten_paths
 
 TIED = {"embed": "embed_tokens.weight", "head": "lm_head.weight"}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -196,12 +197,7 @@ def load_deepspec_draft(path: str | os.PathLike, cfg=None, *, dtype: str | None 
         fwd = TRANSFORMS[it.entry.transform][0]
         parts = [np.asarray(fwd(reader.view(n))).astype(dt) for n in it.names]
         flat[it.path] = np.stack(parts) if it.entry.per_layer else parts[0]
-    params: dict = {}
-    for p, v in flat.items():
-        node = params
-        for k in p[:-1]:
-            node = node.setdefault(k, {})
-        node[p[-1]] = v
+    params = unflatten_paths(flat)
     tied = {k: np.asarray(reader.view(n)).astype(dt) for k, n in TIED.items()} if with_tied else None
     return cfg, params, tied
 
@@ -209,15 +205,6 @@ def load_deepspec_draft(path: str | os.PathLike, cfg=None, *, dtype: str | None 
 # ---------------------------------------------------------------------------------------------
 # Export
 # ---------------------------------------------------------------------------------------------
-def _flatten(tree, prefix=()) -> dict[tuple[str, ...], Any]:
-    if isinstance(tree, Mapping):
-        out = {}
-        for k, v in tree.items():
-            out.update(_flatten(v, prefix + (str(k),)))
-        return out
-    return {prefix: tree}
-
-
 def _write(out_dir: Path, cfg, tensors: list[tuple[str, str, Callable[[], np.ndarray]]]) -> Path:
     """config.json + model.safetensors, one tensor in memory at a time."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -242,7 +229,7 @@ def export_deepspec_draft(params: Mapping, tied: Mapping | None, cfg, out_dir: s
     (`cfg.to_hf_dict()`) and model.safetensors with every tensor in `dtype` (BF16 as released, or F32)."""
     if dtype not in FLOAT_DTYPES:
         raise CheckpointError(f"export dtype {dtype!r}: expected one of {list(FLOAT_DTYPES)}")
-    flat = _flatten(params)
+    flat = flatten_paths(params)
     items = expand_table(cfg)
     want = {it.path: it for it in items}
     missing = sorted("/".join(p) for p in set(want) - set(flat))

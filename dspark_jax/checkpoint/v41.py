@@ -18,7 +18,7 @@ import functools
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -27,6 +27,7 @@ from dspark_jax.checkpoint import formats
 from dspark_jax.checkpoint.safetensors_io import (
     CheckpointError, CheckpointReader, SafetensorsWriter, TensorSpec, open_checkpoint, write_index,
 )
+from dspark_jax.checkpoint.trees import flatten_paths, unflatten_paths
 from dspark_jax.config import DSparkConfig
 
 PREFIX = "mtp"
@@ -195,25 +196,6 @@ def expand_table(cfg: DSparkConfig) -> list[Item]:
 def expected_shapes(cfg: DSparkConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
     """Our tree's leaves and shapes as the table defines them (docs/params.md)."""
     return {it.path: it.our_shape for it in expand_table(cfg)}
-
-
-def _flatten(tree, prefix=()) -> dict[tuple[str, ...], Any]:
-    if isinstance(tree, Mapping):
-        out = {}
-        for k, v in tree.items():
-            out.update(_flatten(v, prefix + (str(k),)))
-        return out
-    return {prefix: tree}
-
-
-def _unflatten(flat: Mapping[tuple[str, ...], Any]) -> dict:
-    root: dict = {}
-    for path, v in flat.items():
-        node = root
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = v
-    return root
 
 
 @functools.lru_cache(maxsize=8)
@@ -417,7 +399,7 @@ def load_v41_draft(path_or_dir: str | os.PathLike | CheckpointReader, cfg: DSpar
     tied = None
     if with_tied:
         tied = {k: read_dequantized(tied_reader, s, dtype) for k, s in tied_src.items()}
-    return _unflatten(flat), tied
+    return unflatten_paths(flat), tied
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,7 +491,7 @@ def export_v41_draft(params: Mapping, tied: Mapping | None, cfg: DSparkConfig, o
     or "F4" [out, in]) + 1x32 E8M0 scales, the rest BF16 / F32. Shards above `max_shard_bytes` get a
     `model.safetensors.index.json`.
     """
-    flat = {p: v for p, v in _flatten(params).items()}
+    flat = {p: v for p, v in flatten_paths(params).items()}
     items = expand_table(cfg)
     want = {it.path: it for it in items}
     missing = [p for p in want if p not in flat]
