@@ -96,26 +96,28 @@ class DSparkConfig:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
         check_field(self.family in FAMILIES, "family", f"one of {FAMILIES}", self.family)
         check_field(self.family == "deepseek_v41", "family",
-               "'deepseek_v41' in a DSparkConfig (a 'qwen3' DeepSpec draft is a dspark_jax.deepspec.DeepSpecConfig; "
-               "DSparkConfig.from_dict / from_json return one)", self.family)
+                    "'deepseek_v41' in a DSparkConfig (a 'qwen3' DeepSpec draft is a "
+                    "dspark_jax.deepspec.DeepSpecConfig; DSparkConfig.from_dict / from_json return one)", self.family)
         for name in ("dim", "vocab_size", "n_layers", "block_size", "n_routed_experts", "n_activated_experts",
                      "moe_inter_dim", "n_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank",
                      "window", "hc_mult", "hc_sinkhorn_iters"):
             v = getattr(self, name)
-            check_field(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "a positive integer", v)
+            check_field(is_int(v) and v > 0, name, "a positive integer", v)
         for name in ("markov_rank", "n_shared_experts"):
             v = getattr(self, name)
             check_field(isinstance(v, int) and v >= 0, name, "a non-negative integer", v)
         check_field(0 <= self.noise_token_id < self.vocab_size, "noise_token_id",
-               f"a token id in [0, vocab_size={self.vocab_size})", self.noise_token_id)
-        check_field(self.n_taps >= 1, "target_layer_ids", "a non-empty list of backbone layer ids", self.target_layer_ids)
+                    f"a token id in [0, vocab_size={self.vocab_size})", self.noise_token_id)
+        check_field(self.n_taps >= 1, "target_layer_ids", "a non-empty list of backbone layer ids",
+                    self.target_layer_ids)
         check_field(self.n_activated_experts <= self.n_routed_experts, "n_activated_experts",
-               f"at most n_routed_experts={self.n_routed_experts}", self.n_activated_experts)
+                    f"at most n_routed_experts={self.n_routed_experts}", self.n_activated_experts)
         check_field(self.rope_head_dim % 2 == 0 and self.rope_head_dim <= self.head_dim, "rope_head_dim",
-               f"an even number <= head_dim={self.head_dim}", self.rope_head_dim)
+                    f"an even number <= head_dim={self.head_dim}", self.rope_head_dim)
         check_field((self.n_heads * self.head_dim) % self.o_groups == 0, "o_groups",
-               f"a divisor of n_heads*head_dim={self.n_heads * self.head_dim}", self.o_groups)
-        check_field(self.n_heads % self.o_groups == 0, "o_groups", f"a divisor of n_heads={self.n_heads}", self.o_groups)
+                    f"a divisor of n_heads*head_dim={self.n_heads * self.head_dim}", self.o_groups)
+        check_field(self.n_heads % self.o_groups == 0, "o_groups", f"a divisor of n_heads={self.n_heads}",
+                    self.o_groups)
         check_field(self.score_func in SCORE_FUNCS, "score_func", f"one of {SCORE_FUNCS}", self.score_func)
         for name in ("rope_theta", "route_scale", "swiglu_limit", "temperature"):
             v = getattr(self, name)
@@ -125,9 +127,10 @@ class DSparkConfig:
             check_field(isinstance(v, (int, float)) and 0 < v < 1, name, "a number in (0, 1)", v)
         for name in ("param_dtype", "compute_dtype"):
             check_field(getattr(self, name) in ("float32", "bfloat16"), name, "'float32' or 'bfloat16'",
-                   getattr(self, name))
+                        getattr(self, name))
         if self.kv_fp8 or self.act_fp8:
-            check_field(self.head_dim % 32 == 0, "head_dim", "a multiple of 32 (fp8 blocks of 32 values)", self.head_dim)
+            check_field(self.head_dim % 32 == 0, "head_dim", "a multiple of 32 (fp8 blocks of 32 values)",
+                        self.head_dim)
 
     # ---- I/O -----------------------------------------------------------------------------------
     @classmethod

@@ -180,31 +180,31 @@ class DeepSpecConfig:
             v = getattr(self, name)
             check_field(is_int(v) and v > 0, name, "a positive integer", v)
         check_field(is_int(self.markov_rank) and self.markov_rank >= 0, "markov_rank", "a non-negative integer",
-               self.markov_rank)
+                    self.markov_rank)
         check_field(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
-               f"a divisor of num_attention_heads={self.num_attention_heads}", self.num_key_value_heads)
+                    f"a divisor of num_attention_heads={self.num_attention_heads}", self.num_key_value_heads)
         check_field(self.head_dim % 2 == 0, "head_dim", "an even number (split-half RoPE)", self.head_dim)
         check_field(is_int(self.mask_token_id) and 0 <= self.mask_token_id < self.vocab_size, "mask_token_id",
-               f"a token id in [0, vocab_size={self.vocab_size})", self.mask_token_id)
+                    f"a token id in [0, vocab_size={self.vocab_size})", self.mask_token_id)
         ids = self.target_layer_ids
         last = self.num_target_layers - 1
         check_field(len(ids) >= 1 and all(is_int(i) for i in ids), "target_layer_ids",
-               "a non-empty list of target layer ids", list(ids))
+                    "a non-empty list of target layer ids", list(ids))
         check_field(all(-1 <= i < last for i in ids), "target_layer_ids",
-               f"layer ids in [-1, {last - 1}] (-1 = embeddings; the last layer {last} is excluded: DeepSpec "
-               "reads Hugging Face hidden_states, whose last entry is after the final norm)", list(ids))
+                    f"layer ids in [-1, {last - 1}] (-1 = embeddings; the last layer {last} is excluded: DeepSpec "
+                    "reads Hugging Face hidden_states, whose last entry is after the final norm)", list(ids))
         check_field(all(a < b for a, b in zip(ids, ids[1:])), "target_layer_ids", "strictly increasing ids", list(ids))
         if self.markov_rank > 0:
             check_field(self.markov_head_type in MARKOV_HEAD_TYPES, "markov_head_type",
-                   f"one of {MARKOV_HEAD_TYPES} (other DeepSpec Markov heads are not implemented)",
-                   self.markov_head_type)
+                        f"one of {MARKOV_HEAD_TYPES} (other DeepSpec Markov heads are not implemented)",
+                        self.markov_head_type)
         check_field(is_int(self.num_anchors) and self.num_anchors > 0, "num_anchors", "a positive integer",
-               self.num_anchors)
+                    self.num_anchors)
         for name in ("enable_confidence_head", "confidence_head_with_markov", "tie_word_embeddings"):
             check_field(isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name))
         if self.enable_confidence_head and self.confidence_head_with_markov:
             check_field(self.markov_rank > 0, "confidence_head_with_markov",
-                   "false when markov_rank is 0 (there is no W1[prev] to read)", True)
+                        "false when markov_rank is 0 (there is no W1[prev] to read)", True)
         for name in ("rms_norm_eps", "rope_theta"):
             v = getattr(self, name)
             check_field(is_number(v) and v > 0, name, "a positive number", v)

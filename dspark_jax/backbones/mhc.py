@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from dspark_jax.backbones.base import (Backbone, BackboneOutput, as_dtype, cache_attention, cache_visibility,
                                        query_positions, record_taps, taps_to_features, write_rows)
-from dspark_jax.config import SCORE_FUNCS, ConfigError, check_field, is_number, read_json_config
+from dspark_jax.config import SCORE_FUNCS, ConfigError, check_field, is_int, is_number, read_json_config
 from dspark_jax.nn.attention import WindowAttention, grouped_out_proj
 from dspark_jax.nn.mhc import HyperConnection, hc_post, hc_pre, one_hot_pre
 from dspark_jax.nn.moe import MoE, swiglu_mlp
@@ -78,16 +78,17 @@ class MhcConfig:
         ints += ["n_activated_experts", "moe_inter_dim"] if self.n_routed_experts else ["inter_dim"]
         for name in ints:
             v = getattr(self, name)
-            check_field(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "a positive integer", v)
+            check_field(is_int(v) and v > 0, name, "a positive integer", v)
         for name in ("n_routed_experts", "n_shared_experts"):
             v = getattr(self, name)
-            check_field(isinstance(v, int) and not isinstance(v, bool) and v >= 0, name, "a non-negative integer", v)
+            check_field(is_int(v) and v >= 0, name, "a non-negative integer", v)
         check_field(self.rope_head_dim % 2 == 0 and self.rope_head_dim <= self.head_dim, "rope_head_dim",
-               f"an even number <= head_dim={self.head_dim}", self.rope_head_dim)
-        check_field(self.n_heads % self.o_groups == 0, "o_groups", f"a divisor of n_heads={self.n_heads}", self.o_groups)
+                    f"an even number <= head_dim={self.head_dim}", self.rope_head_dim)
+        check_field(self.n_heads % self.o_groups == 0, "o_groups", f"a divisor of n_heads={self.n_heads}",
+                    self.o_groups)
         if self.n_routed_experts:
             check_field(self.n_activated_experts <= self.n_routed_experts, "n_activated_experts",
-                   f"at most n_routed_experts={self.n_routed_experts}", self.n_activated_experts)
+                        f"at most n_routed_experts={self.n_routed_experts}", self.n_activated_experts)
             check_field(self.score_func in SCORE_FUNCS, "score_func", f"one of {SCORE_FUNCS}", self.score_func)
         for name in ("rope_theta", "route_scale", "swiglu_limit"):
             v = getattr(self, name)
@@ -101,12 +102,12 @@ class MhcConfig:
             check_field(getattr(self, name) in DTYPES, name, f"one of {DTYPES}", getattr(self, name))
         if self.kv_fp8:
             check_field(self.head_dim % 32 == 0, "head_dim", "a multiple of 32 when kv_fp8 (fp8 blocks of 32)",
-                   self.head_dim)
+                        self.head_dim)
         if self.act_fp8:
             for name in ("dim", "q_lora_rank", "moe_inter_dim" if self.n_routed_experts else "inter_dim"):
                 check_field(getattr(self, name) % 32 == 0, name, "a multiple of 32 when act_fp8", getattr(self, name))
             check_field(self.o_groups * self.o_lora_rank % 32 == 0, "o_lora_rank",
-                   "o_groups * o_lora_rank a multiple of 32 when act_fp8", self.o_lora_rank)
+                        "o_groups * o_lora_rank a multiple of 32 when act_fp8", self.o_lora_rank)
 
     @property
     def hc_mix_dim(self) -> int:

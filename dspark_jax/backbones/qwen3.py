@@ -85,13 +85,13 @@ class Qwen3Config:
             v = getattr(self, name)
             check_field(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "a positive integer", v)
         check_field(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
-               f"a divisor of num_attention_heads={self.num_attention_heads}", self.num_key_value_heads)
+                    f"a divisor of num_attention_heads={self.num_attention_heads}", self.num_key_value_heads)
         check_field(self.head_dim % 2 == 0, "head_dim", "an even number (RoPE rotates pairs)", self.head_dim)
         check_field(is_number(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1, "rms_norm_eps", "a number in (0, 1)",
-               self.rms_norm_eps)
+                    self.rms_norm_eps)
         check_field(is_number(self.rope_theta) and self.rope_theta > 1, "rope_theta", "a number > 1", self.rope_theta)
         check_field(isinstance(self.tie_word_embeddings, bool), "tie_word_embeddings", "true or false",
-               self.tie_word_embeddings)
+                    self.tie_word_embeddings)
         for name in ("param_dtype", "compute_dtype"):
             check_field(getattr(self, name) in DTYPES, name, f"one of {DTYPES}", getattr(self, name))
 
@@ -111,9 +111,9 @@ class Qwen3Config:
         act = raw.get("hidden_act", "silu")
         check_field(act == "silu", "hidden_act", "'silu' (SwiGLU MLP)", act)
         check_field(not raw.get("attention_bias", False), "attention_bias", "false (biased q/k/v/o not implemented)",
-               raw.get("attention_bias"))
+                    raw.get("attention_bias"))
         check_field(not raw.get("use_sliding_window", False), "use_sliding_window",
-               "false (sliding-window layers not implemented)", raw.get("use_sliding_window"))
+                    "false (sliding-window layers not implemented)", raw.get("use_sliding_window"))
         bad_layers = [t for t in raw.get("layer_types") or () if t != "full_attention"]
         check_field(not bad_layers, "layer_types", "only 'full_attention' layers", bad_layers)
         values = {k: raw[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -124,7 +124,7 @@ class Qwen3Config:
         if head_dim is None:  # HF default
             hs = raw["hidden_size"]
             check_field(isinstance(heads, int) and heads > 0 and isinstance(hs, int) and hs % heads == 0, "head_dim",
-                   "present, or hidden_size divisible by num_attention_heads", None)
+                        "present, or hidden_size divisible by num_attention_heads", None)
             head_dim = hs // heads
         values["head_dim"] = head_dim
         # param_dtype / compute_dtype are ours (written by `to_hf_dict`; transformers ignores them).
