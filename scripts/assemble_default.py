@@ -5,7 +5,7 @@
 
 dest/ (via dspark_jax.bundle.save_bundle): bundle.json, backbone.safetensors, draft.safetensors (the
 block-7 DSpark draft), tokenizer.json, prompts.jsonl (held-out evaluation prompts), training.json (the
-training runs' final numbers, read from their logs); dest/variants/<name>/: draft.json (DSparkConfig)
+training runs' final numbers, read from their logs), README.md and logs/; dest/variants/<name>/: draft.json (DSparkConfig)
 and draft.safetensors for the comparison drafts ("parallel": markov_rank 0, "onetoken": block 1).
 Weights are stored in --dtype (bf16 halves the files; loading casts back to the configs' f32), so every
 later measurement (calibration, demo, benchmark) runs on exactly the committed weights.
@@ -40,6 +40,50 @@ def last_json_line(path: Path, key: str | None = None) -> dict | None:
 def cast(tree, dtype):
     return {k: cast(v, dtype) if isinstance(v, dict) else np.asarray(v, np.float32).astype(dtype)
             for k, v in tree.items()}
+
+
+README = """# The embedded default model
+
+Built by `bash scripts/build_default.sh` (see the scripts for every step); nothing here is hand-edited
+(this file is written by scripts/assemble_default.py from the configs and the training logs).
+
+- `bundle.json`, `backbone.safetensors`, `draft.safetensors`, `calibration.json`, `tokenizer.json`: the main
+  bundle (`dspark_jax.bundle.load_bundle`): an `mhc` (V4.1-style) backbone, {b_layers} layers, dim {b_dim},
+  vocab {vocab}, {b_params:.1f}M parameters (configs/default_backbone.json), trained {b_minutes} min on CPU
+  ({b_steps} steps, {b_tokens:.2f}M tokens; held-out CE {b_held:.2f} nats/token), and its block-{block} DSpark
+  draft with the Markov head (configs/default_draft_dspark.json, {d_params:.1f}M parameters of its own), STS
+  temperatures fitted on held-out rounds at T = 1.
+- `variants/parallel/`: the same draft with `markov_rank 0` (pure parallel); `variants/onetoken/`: block 1.
+  Each: `draft.json` (DSparkConfig), `draft.safetensors`, `calibration.json`. Same training budget as the
+  main draft (`configs/default_train_draft_*.yaml`, {d_steps} steps x 8 sequences x 256 tokens).
+- `tokenizer.json`: byte-level BPE, {vocab} tokens, trained on the training split; id 0 `<|endoftext|>`,
+  id 1 `<|noise|>` (the drafts' noise token).
+- `prompts.jsonl`: evaluation prompts cut from held-out stdlib files (used by `dspark demo` and
+  `dspark bench acceptance`); the calibration prompts come from other held-out files.
+- `training.json`, `logs/`: corpus manifest, final training numbers, and the raw training/metric logs.
+
+Corpus: the `*.py` sources of the Python standard library that ships with the interpreter
+(`sysconfig.get_paths()["stdlib"]`, CPython {python} here), split by file: sha256(relative path) % 100 < 5
+is held out. Weights are stored as {dtype} (loading casts to the configs' f32); every measurement was taken
+on these stored weights.
+"""
+
+
+def write_docs(build: Path, dest: Path, bcfg, drafts: dict, info: dict) -> None:
+    """README.md from the configs and final numbers; logs/ with the raw training logs."""
+    b, dcfg = info["backbone"], drafts["dspark"][0]
+    (dest / "README.md").write_text(README.format(
+        b_layers=bcfg.n_layers, b_dim=bcfg.dim, vocab=bcfg.vocab_size, b_params=b["params"] / 1e6,
+        b_minutes=b["minutes"], b_steps=b["steps"], b_tokens=b["tokens"] / 1e6, b_held=b["heldout_loss"],
+        block=dcfg.block_size, d_params=info["drafts"]["dspark"]["params"] / 1e6,
+        d_steps=info["drafts"]["dspark"].get("step"), python=info["corpus"]["python"], dtype=info["weights_dtype"]))
+    logs = dest / "logs"
+    logs.mkdir(exist_ok=True)
+    shutil.copy(build / "backbone" / "log.jsonl", logs / "backbone_log.jsonl")
+    for name in drafts:
+        src = build / "drafts" / name / "metrics.jsonl"
+        if src.is_file():
+            shutil.copy(src, logs / f"draft_{name}_metrics.jsonl")
 
 
 def main(argv=None) -> int:
@@ -96,6 +140,7 @@ def main(argv=None) -> int:
                                 or k.startswith("accept_rate@")}
         info["drafts"][name]["params"] = int(sum(np.prod(np.shape(x)) for x in flatten(drafts[name][1]).values()))
     (dest / "training.json").write_text(json.dumps(info, indent=2) + "\n")
+    write_docs(build, dest, bb.cfg, drafts, info)
     total = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
     print(f"default model -> {dest} ({total / 2 ** 20:.1f} MiB)")
     print(json.dumps(info, indent=2))

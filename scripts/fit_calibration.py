@@ -69,7 +69,10 @@ def main(argv=None) -> int:
                          "ece_after": cal.ece_after}
         print(f"{name}: {len(z)} rounds, tau {engine.metrics.tau:.3f}, ECE {cal.ece_before:.4f} -> "
               f"{cal.ece_after:.4f} (in-sample), T = {np.round(cal.temperatures, 3).tolist()} -> {out}", flush=True)
-    (ROOT / args.records_dir / "calibration_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    text = json.dumps(summary, indent=2) + "\n"
+    (ROOT / args.records_dir / "calibration_summary.json").write_text(text)
+    if (ROOT / args.bundle / "logs").is_dir():  # the bundle's own record of how it was calibrated
+        (ROOT / args.bundle / "logs" / "calibration_summary.json").write_text(text)
     return 0
 
 
