@@ -9,17 +9,24 @@ from dspark_jax import draft, sampling
 from dspark_jax import spec_round as sr
 
 
-def oracle_propose(model, weights, state, params, seeds, filtering):
-    """A test draft that proposes the backbone's own greedy continuation with some positions corrupted (a
-    deterministic pattern of seed, position and k), so rounds accept every count 0..K."""
-    bb, v, k = model.backbone, model.backbone.vocab_size, model.block_size
+def backbone_greedy_drafts(model, weights, state):
+    """The backbone's own greedy continuation of each row's anchor, K tokens: i32[B, K] (on a scratch
+    copy of the cache; the round's state is untouched)."""
+    bb = model.backbone
     cache, tok, toks = state.cache, state.anchor, []
-    for _ in range(k):
+    for _ in range(model.block_size):
         out = bb.forward(weights.backbone, cache, tok[:, None])
         cache = bb.commit(out.cache, jnp.ones_like(tok))
         tok = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
         toks.append(tok)
-    tokens = jnp.stack(toks, axis=1)
+    return jnp.stack(toks, axis=1)
+
+
+def oracle_propose(model, weights, state, params, seeds, filtering):
+    """A test draft that proposes the backbone's own greedy continuation with some positions corrupted (a
+    deterministic pattern of seed, position and k), so rounds accept every count 0..K."""
+    v, k = model.backbone.vocab_size, model.block_size
+    tokens = backbone_greedy_drafts(model, weights, state)
     bad = (seeds[:, None].astype(jnp.int32) * 7 + state.draft.length[:, None] * 3 + jnp.arange(k)) % 7 == 0
     tokens = jnp.where(bad, (tokens + 1) % v, tokens)
     b = tokens.shape[0]

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import CONFIGS, REPO
+from spec_helpers import backbone_greedy_drafts
 
 from dspark_jax import draft
 from dspark_jax.backbones.mhc import MhcBackbone, MhcConfig
@@ -779,13 +780,7 @@ def corrupted_greedy_propose(model, weights, state, params, seeds, filtering):
     """A stand-in draft for the round: the backbone's own greedy continuation with draft k replaced
     by a wrong token at a pseudo-random ~27% of (position, seed) pairs, so rounds accept 0 to K."""
     k, bb = model.block_size, model.backbone
-    cache, tok, toks = state.cache, state.anchor, []
-    for _ in range(k):
-        out = bb.forward(weights.backbone, cache, tok[:, None])
-        cache = bb.commit(out.cache, jnp.ones_like(tok))
-        tok = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
-        toks.append(tok)
-    tokens = jnp.stack(toks, axis=1)
+    tokens = backbone_greedy_drafts(model, weights, state)
     pos = state.draft.length[:, None] + jnp.arange(k)
     bad = (pos * 7919 + seeds[:, None].astype(jnp.int32) * 104729) % 11 < 3
     tokens = jnp.where(bad, (tokens + 1) % bb.vocab_size, tokens)
