@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Rebuild the embedded default model (dspark_jax/assets/default/) end to end on CPU.
-#   bash scripts/build_default.sh            # ~2 h on 2 free cores (longer on a loaded machine)
-# Environment: BACKBONE_MINUTES (default 45) is the backbone's wall-clock budget; DRAFT_STEPS overrides
-# the drafts' steps (configs/default_train_draft_*.yaml, 150 by default); DRAFTS_PARALLEL=1 trains the
+#   DRAFTS_PARALLEL=1 bash scripts/build_default.sh   # ~1.5 h on 2 cores (measured: 1 h 32 min, see BENCHMARKS.md)
+# Environment: BACKBONE_MINUTES (default 60) is the backbone's wall-clock budget; DRAFT_STEPS overrides
+# the drafts' steps (configs/default_train_draft_*.yaml, 600 by default); DRAFTS_PARALLEL=1 trains the
 # three drafts at the same time (default: one after another). Logs and intermediates go to build/default_model/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,10 +16,10 @@ log "2/7 tokenizer (byte-level BPE, vocab 4096) + token streams"
 python scripts/train_tokenizer.py --corpus "$B/corpus" --vocab 4096 --out "$B/tokenizer.json" 2>&1 | tee "$B/logs/tokenizer.log"
 log "3/7 held-out prompts (evaluation + calibration sets)"
 python scripts/make_prompts.py --corpus "$B/corpus" --eval-out "$B/prompts.jsonl" --calib-out "$B/calib_prompts.jsonl"
-log "4/7 backbone (mhc, configs/default_backbone.json), ${BACKBONE_MINUTES:-45} min budget; log: $B/backbone/train.log"
+log "4/7 backbone (mhc, configs/default_backbone.json), ${BACKBONE_MINUTES:-60} min budget; log: $B/backbone/train.log"
 mkdir -p "$B/backbone"
 python scripts/train_backbone.py --config configs/default_backbone.json --data "$B/corpus" --out "$B/backbone" \
-  --batch 8 --seq-len 256 --minutes "${BACKBONE_MINUTES:-45}" --eval-every 50 --ckpt-every 25 --eval-batches 4 \
+  --batch 8 --seq-len 256 --minutes "${BACKBONE_MINUTES:-60}" --eval-every 50 --ckpt-every 25 --eval-batches 4 \
   2>&1 | tee "$B/backbone/train.log"
 log "5/7 drafts (dspark train x3: block 7 + Markov head, block 7 pure parallel, block 1)"
 STEPS=()
