@@ -428,6 +428,16 @@ def test_spec_model_takes_the_family_tap_mode():
         sr.SpecModel(bb, CFG, tap_mode="entry")
 
 
+def test_a_bundle_records_the_family_tap_mode(tmp_path):
+    from dspark_jax.bundle import load_bundle, save_bundle
+
+    bb, weights = pair()
+    save_bundle(tmp_path, backbone_family="qwen3", backbone=bb, backbone_params=weights.backbone, draft_cfg=CFG,
+                draft_params=weights.draft)
+    assert json.loads((tmp_path / "bundle.json").read_text())["tap_mode"] == "output"
+    assert load_bundle(tmp_path, impl="xla").model.tap_mode == "output"
+
+
 # ---------------------------------------------------------------------------------------------------
 # Checkpoint layout
 # ---------------------------------------------------------------------------------------------------
