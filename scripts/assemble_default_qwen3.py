@@ -66,6 +66,7 @@ def to_bf16_in_place(path: Path) -> None:
 def main(argv=None) -> int:
     from dspark_jax.backbones.qwen3 import Qwen3Backbone, load_qwen3_hf
     from dspark_jax.checkpoint.deepspec import export_deepspec_draft
+    from dspark_jax.checkpoint.trees import flatten_paths
     from dspark_jax.cli import main as dspark
     from dspark_jax.config import DSparkConfig
 
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
             "draft": {"family": "qwen3 (DeepSpec)", "steps": step,
                       **{k: v for k, v in last.items() if k in ("loss", "ce", "l1", "conf", "tau_estimate")
                          or k.startswith("accept_rate@")},
-                      "params": int(sum(np.prod(np.shape(x)) for x in _leaves(params)))}}
+                      "params": int(sum(np.prod(np.shape(x)) for x in flatten_paths(params).values()))}}
     (dest / "training.json").write_text(json.dumps(info, indent=2) + "\n")
     write_docs(build, dest)
     total = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
@@ -153,14 +154,6 @@ def write_docs(build: Path, dest: Path) -> None:
                       (build / "acceptance.json", "acceptance.json")):
         if src.is_file():
             shutil.copy(src, logs / name)
-
-
-def _leaves(tree):
-    for v in tree.values():
-        if isinstance(v, dict):
-            yield from _leaves(v)
-        else:
-            yield v
 
 
 if __name__ == "__main__":

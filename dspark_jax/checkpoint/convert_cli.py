@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from dspark_jax.checkpoint.safetensors_io import CheckpointError
+from dspark_jax.checkpoint.trees import flatten_paths
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,18 +91,10 @@ def safetensors_to_orbax(src, cfg, dst, *, dtype="bfloat16", with_tied=True, tie
                                       progress=progress)
     tree = {"params": params} if tied is None else {"params": params, "tied": tied}
     del params, tied
-    nbytes = sum(a.nbytes for a in _leaves(tree))
+    nbytes = sum(a.nbytes for a in flatten_paths(tree).values())
     orbax_io.to_device_leafwise(tree)
     orbax_io.save_params(dst, tree, config=cfg, overwrite=overwrite, concurrent_gb=concurrent_gb)
     return nbytes
-
-
-def _leaves(tree):
-    for v in tree.values():
-        if isinstance(v, dict):
-            yield from _leaves(v)
-        else:
-            yield v
 
 
 def convert(args) -> str:

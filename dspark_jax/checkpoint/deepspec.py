@@ -28,7 +28,7 @@ import numpy as np
 from dspark_jax.checkpoint.safetensors_io import (
     CheckpointError, CheckpointReader, SafetensorsWriter, TensorSpec, open_checkpoint,
 )
-from dspark_jax.checkpoint.trees import flatten_paths, unflatten_paths
+from dspark_jax.checkpoint.trees import match_table, unflatten_paths
 
 TIED = {"embed": "embed_tokens.weight", "head": "lm_head.weight"}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -229,18 +229,8 @@ def export_deepspec_draft(params: Mapping, tied: Mapping | None, cfg, out_dir: s
     (`cfg.to_hf_dict()`) and model.safetensors with every tensor in `dtype` (BF16 as released, or F32)."""
     if dtype not in FLOAT_DTYPES:
         raise CheckpointError(f"export dtype {dtype!r}: expected one of {list(FLOAT_DTYPES)}")
-    flat = flatten_paths(params)
     items = expand_table(cfg)
-    want = {it.path: it for it in items}
-    missing = sorted("/".join(p) for p in set(want) - set(flat))
-    extra = sorted("/".join(p) for p in set(flat) - set(want))
-    if missing or extra:
-        raise CheckpointError(f"params tree does not match the DeepSpec draft of this config: missing {missing[:5]}, "
-                              f"unexpected {extra[:5]}")
-    for it in items:
-        got = tuple(np.shape(flat[it.path]))
-        if got != it.our_shape:
-            raise CheckpointError(f"param '{'/'.join(it.path)}': shape {list(got)}, expected {list(it.our_shape)}")
+    flat = match_table(params, items, "DeepSpec draft")
     tensors = []
     for it in items:
         inv = TRANSFORMS[it.entry.transform][1]

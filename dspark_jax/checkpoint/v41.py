@@ -27,7 +27,7 @@ from dspark_jax.checkpoint import formats
 from dspark_jax.checkpoint.safetensors_io import (
     CheckpointError, CheckpointReader, SafetensorsWriter, TensorSpec, open_checkpoint, write_index,
 )
-from dspark_jax.checkpoint.trees import flatten_paths, unflatten_paths
+from dspark_jax.checkpoint.trees import match_table, unflatten_paths
 from dspark_jax.config import DSparkConfig
 
 PREFIX = "mtp"
@@ -491,18 +491,8 @@ def export_v41_draft(params: Mapping, tied: Mapping | None, cfg: DSparkConfig, o
     or "F4" [out, in]) + 1x32 E8M0 scales, the rest BF16 / F32. Shards above `max_shard_bytes` get a
     `model.safetensors.index.json`.
     """
-    flat = {p: v for p, v in flatten_paths(params).items()}
     items = expand_table(cfg)
-    want = {it.path: it for it in items}
-    missing = [p for p in want if p not in flat]
-    extra = [p for p in flat if p not in want]
-    if missing or extra:
-        raise CheckpointError(f"params tree does not match the V4.1 draft of this config: missing "
-                              f"{['/'.join(p) for p in missing[:5]]}, unexpected {['/'.join(p) for p in extra[:5]]}")
-    for it in items:
-        got = tuple(np.shape(flat[it.path]))
-        if got != it.our_shape:
-            raise CheckpointError(f"param '{'/'.join(it.path)}': shape {list(got)}, expected {list(it.our_shape)}")
+    flat = match_table(params, items, "V4.1 draft")
     outs: list[_Out] = []
     for it in items:
         inv = TRANSFORMS[it.entry.transform][1]
