@@ -84,3 +84,211 @@ def test_round_trip(tmp_path):
     cfg = DSparkConfig.from_json(CONFIGS / "tiny_v41.json")
     cfg.to_json(tmp_path / "t.json")
     assert DSparkConfig.from_json(tmp_path / "t.json") == cfg
+
+
+# ---- the real V4.1-Flash config.json files (issue 13): whole-model configs, backbone keys beside the draft's
+import copy  # noqa: E402
+import random  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures"
+HF_FULL = FIXTURES / "v41_flash_hf_config.json"
+INFERENCE_FULL = FIXTURES / "v41_flash_inference_config.json"
+
+
+def _load(raw: dict, tmp_path, name="config.json"):
+    (tmp_path / name).write_text(json.dumps(raw))
+    return DSparkConfig.from_json(tmp_path / name)
+
+
+def _fixture(path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_real_flash_configs_load_to_the_spec_config():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every key of the full files is a known key
+        hf = DSparkConfig.from_json(HF_FULL)
+        inf = DSparkConfig.from_json(INFERENCE_FULL)
+    # The backbone's keys (43 layers, 384 experts, top-6, temperature, ...) did not leak into the draft.
+    assert hf == inf == DSparkConfig.from_json(FULL).replace(vision=True)
+    assert DSparkConfig.from_dict(hf.to_dict()) == hf  # our spelling round-trips, `vision` included
+    assert hf.to_dict()["vision"] is True and isinstance(hf.to_dict()["rope_theta"], float)
+
+
+def test_fixture_carries_every_model_args_field():
+    from dspark_jax.config import _INFERENCE_KEYS
+
+    assert set(_fixture(INFERENCE_FULL)) == _INFERENCE_KEYS
+    hf = _fixture(HF_FULL)
+    assert (hf["num_hidden_layers"], hf["n_routed_experts"], hf["num_experts_per_tok"]) == (43, 384, 6)
+
+
+def test_flash_draft_has_14_2b_parameters():
+    from dspark_jax.draft import abstract_params, count_params
+
+    n = count_params(abstract_params(DSparkConfig.from_json(HF_FULL)))  # tied embedding / head not counted
+    assert round(n / 1e9, 1) == 14.2, n
+
+
+@pytest.mark.parametrize("path,dspark,backbone", [
+    (HF_FULL, {"dspark_n_routed_experts": "n_routed_experts", "dspark_num_experts_per_tok": "num_experts_per_tok"},
+     (384, 6)),
+    (INFERENCE_FULL, {"dspark_n_routed_experts": "n_routed_experts",
+                      "dspark_n_activated_experts": "n_activated_experts"}, (384, 6)),
+])
+@pytest.mark.parametrize("how", ["absent", "zero"])
+def test_expert_counts_fall_back_to_the_backbone(tmp_path, path, dspark, backbone, how):
+    raw = _fixture(path)
+    for key in dspark:
+        if how == "absent":
+            del raw[key]
+        else:
+            raw[key] = 0
+    cfg = _load(raw, tmp_path)
+    assert (cfg.n_routed_experts, cfg.n_activated_experts) == backbone
+    # one of the two given: only the missing one falls back
+    raw = _fixture(path)
+    raw[next(iter(dspark))] = 0
+    assert _load(raw, tmp_path).n_routed_experts == 384 and _load(raw, tmp_path).n_activated_experts == 3
+
+
+def test_text_only_and_vision_detection(tmp_path):
+    hf, inf = _fixture(HF_FULL), _fixture(INFERENCE_FULL)
+    text_hf = {k: v for k, v in hf.items() if k != "vision_config"}
+    text_inf = dict(inf, vision_n_layers=0)
+    assert _load(text_hf, tmp_path).vision is False
+    assert _load(text_inf, tmp_path) == DSparkConfig.from_json(FULL)  # vision false: exactly our Flash config
+    assert _load(dict(hf, vision_config=None), tmp_path).vision is False
+    assert _load(dict(hf, vision_config={}), tmp_path).vision is False
+    assert _load(dict(hf, vision_config={**hf["vision_config"], "num_hidden_layers": 0}), tmp_path).vision is False
+    assert _load(dict(hf, vision_config={"hidden_size": 1024}), tmp_path).vision is True
+    no_layers = {k: v for k, v in inf.items() if k != "vision_n_layers"}
+    assert _load(no_layers, tmp_path).vision is False
+    ours = DSparkConfig.from_json(FULL).to_dict()
+    assert _load(dict(ours, vision=True), tmp_path).vision is True
+    with pytest.raises(ConfigError, match="'vision_n_layers'"):
+        _load(dict(inf, vision_n_layers="24"), tmp_path)
+    with pytest.raises(ConfigError, match="'vision'"):
+        _load(dict(ours, vision="yes"), tmp_path)
+
+
+def test_hf_text_config_is_hoisted(tmp_path):
+    hf = _fixture(HF_FULL)
+    top = ("architectures", "model_type", "transformers_version", "torch_dtype", "image_token_id", "vision_config")
+    nested = {**{k: hf[k] for k in top}, "text_config": {k: v for k, v in hf.items() if k not in top}}
+    assert _load(nested, tmp_path) == DSparkConfig.from_json(HF_FULL)
+
+
+def test_foreign_temperature_is_the_backbones(tmp_path):
+    assert _load(dict(_fixture(INFERENCE_FULL), temperature=0.6), tmp_path).temperature == 1.0
+    assert _load(dict(_fixture(HF_FULL), temperature=0.6), tmp_path).temperature == 1.0
+
+
+def test_numerics_switches_are_read_in_foreign_files(tmp_path):
+    cfg = _load(dict(_fixture(INFERENCE_FULL), param_dtype="float32", kv_fp8=False), tmp_path)
+    assert (cfg.param_dtype, cfg.kv_fp8) == ("float32", False)
+
+
+def test_conflicting_draft_keys_error_but_backbone_keys_do_not(tmp_path):
+    # n_routed_experts 384 vs dspark_n_routed_experts 128 is fine (backbone vs draft); dim vs hidden_size is not.
+    with pytest.raises(ConfigError, match=r"'dim' and 'hidden_size' \(both field 'dim'\) disagree: 4096 vs 5120"):
+        _load(dict(_fixture(HF_FULL), dim=4096), tmp_path)
+    with pytest.raises(ConfigError, match=r"'window' and 'window_size'"):
+        _load(dict(_fixture(INFERENCE_FULL), window=64), tmp_path)
+
+
+def test_bad_foreign_value_names_file_field_and_key(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        _load(dict(_fixture(INFERENCE_FULL), dspark_block_size=0), tmp_path, "bad.json")
+    msg = str(err.value)
+    assert "bad.json" in msg and "'block_size'" in msg and "'dspark_block_size'" in msg
+
+
+def _two_error_config() -> dict:
+    # two conflicts: the first field in dataclass order (dim) must be the one reported, whatever the key order
+    return dict(_fixture(INFERENCE_FULL), hidden_size=4096, num_attention_heads=32)
+
+
+def test_error_text_is_deterministic(tmp_path):
+    raw = _two_error_config()
+    messages = set()
+    rng = random.Random(0)
+    for i in range(5):
+        items = list(raw.items())
+        rng.shuffle(items)
+        with pytest.raises(ConfigError) as err:
+            _load(dict(items), tmp_path)
+        messages.add(str(err.value))
+    assert len(messages) == 1 and "'dim'" in messages.pop()
+    # ... and across processes (string hashing, hence set order, differs with PYTHONHASHSEED)
+    (tmp_path / "two.json").write_text(json.dumps(raw))
+    code = ("import sys\nfrom dspark_jax.config import DSparkConfig, ConfigError\n"
+            "try: DSparkConfig.from_json(sys.argv[1])\nexcept ConfigError as e: print(e)")
+    outs = {subprocess.run([sys.executable, "-c", code, str(tmp_path / "two.json")], capture_output=True, text=True,
+                           env={**__import__("os").environ, "PYTHONHASHSEED": seed}, check=True).stdout
+            for seed in ("1", "2", "3")}
+    assert len(outs) == 1 and "disagree" in outs.pop()
+
+
+def test_unknown_keys_in_our_spelling_are_errors(tmp_path):
+    raw = DSparkConfig.from_json(FULL).to_dict()
+    raw["markov_rnak"] = raw.pop("markov_rank")
+    with pytest.raises(ConfigError, match=r"'markov_rnak' \(did you mean 'markov_rank'\?\)") as err:
+        _load(raw, tmp_path, "typo.json")
+    assert "typo.json" in str(err.value)
+    # without `family` and without foreign keys it still reads as ours
+    bare = {k: v for k, v in raw.items() if k != "family"}
+    with pytest.raises(ConfigError, match="markov_rnak"):
+        DSparkConfig.from_dict(bare)
+    # both typos reported, sorted
+    with pytest.raises(ConfigError, match=r"'blok_size'.*'markov_rnak'"):
+        DSparkConfig.from_dict(dict(raw, blok_size=5))
+
+
+@pytest.mark.parametrize("path,key", [
+    (INFERENCE_FULL, "dspark_markov_rnak"),  # a dspark_ key that is none of ours
+    (HF_FULL, "dspark_markov_rnak"),
+    (HF_FULL, "dspark_n_activated_experts"),  # the inference spelling's key in an HF file
+    (INFERENCE_FULL, "dspark_num_experts_per_tok"),  # and the other way round
+    (HF_FULL, "num_nextn_predict_layer"),  # near miss of a draft key
+    (INFERENCE_FULL, "n_mtp_layer"),
+    (HF_FULL, "n_mtp_layers"),  # the other spelling's draft key
+])
+def test_foreign_draft_key_typos_are_errors(tmp_path, path, key):
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        _load(dict(_fixture(path), **{key: 1}), tmp_path)
+
+
+def test_other_spellings_draft_key_hints_this_spellings_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"'dspark_num_experts_per_tok' \(did you mean 'dspark_n_activated_experts'"):
+        _load(dict(_fixture(INFERENCE_FULL), dspark_num_experts_per_tok=3), tmp_path)
+    with pytest.raises(ConfigError, match=r"'n_mtp_layers' \(did you mean 'num_nextn_predict_layers'"):
+        _load(dict(_fixture(HF_FULL), n_mtp_layers=3), tmp_path)
+
+
+@pytest.mark.parametrize("path", [HF_FULL, INFERENCE_FULL])
+def test_unknown_backbone_keys_warn_and_load(tmp_path, path):
+    raw = dict(_fixture(path), zz_new_backbone_knob=1, mtp_loss_weight=0.3)
+    with pytest.warns(UserWarning, match=r"\['mtp_loss_weight', 'zz_new_backbone_knob'\]"):
+        cfg = _load(raw, tmp_path)
+    assert cfg == DSparkConfig.from_json(path)
+    # new members of the growing backbone key families are known
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _load(dict(_fixture(path), engram_new_knob=1, vision_new_knob=2, index_new_knob=3), tmp_path)
+
+
+def test_spelling_detection():
+    from dspark_jax.config import _spelling
+
+    assert _spelling({"family": "deepseek_v41", "hidden_size": 8}) == "ours"
+    assert _spelling({"dim": 8, "n_layers": 2}) == "ours"
+    assert _spelling({"dim": 8, "n_mtp_layers": 2}) == "inference"
+    assert _spelling({"dim": 8, "window_size": 2}) == "inference"
+    assert _spelling({"text_config": {}}) == "hf"
+    assert _spelling({"n_mtp_layers": 2, "model_type": "x"}) == "hf"
+    assert _spelling(_fixture(HF_FULL)) == "hf" and _spelling(_fixture(INFERENCE_FULL)) == "inference"
