@@ -1,5 +1,6 @@
 """Helpers shared by the end-to-end exactness tests of both draft families (test_spec_round, test_deepspec):
-an oracle draft, random prompts, and plain greedy decoding through the shared round's `plain_step`."""
+an oracle draft, random prompts, plain greedy decoding through the shared round's `plain_step`, and a
+comparison of fp8-rounded arrays computed by two execution paths (`assert_within_one_fp8_step`)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +8,7 @@ import numpy as np
 
 from dspark_jax import draft, sampling
 from dspark_jax import spec_round as sr
+from dspark_jax.nn.quant import AMAX_FLOOR, E4M3_MAX
 
 
 def backbone_greedy_drafts(model, weights, state):
@@ -60,3 +62,45 @@ def plain_greedy_tokens(model, weights, prompts, steps, maxlen) -> np.ndarray:
         return jnp.concatenate([first[:, None], toks.T], axis=1)
 
     return np.asarray(run(weights))
+
+
+def fp8_step(a, b, block: int = 32) -> np.ndarray:
+    """An upper bound on one E4M3 step of `fp8_quant_dequant` at each element of a and b, two fp8-rounded
+    arrays (blocks of `block` contiguous values of the last axis, each with a power-of-two scale s).
+
+    The values are q * s with q an E4M3 code. For normal codes (|q| >= 2^-6) the grid spacing at |x| is
+    2^(floor(log2 |x|) - 3) whatever s is (s is a power of two), and two neighbouring grid points are the
+    spacing at the smaller of them apart (so two values on either side of a binade edge, two codes apart,
+    fail). Subnormal codes are 2^-9 * s apart. s itself is not stored, but the rounded block maximum amax
+    is in [224 s, 448 s] (s is the smallest power of two with amax / s <= 448, and E4M3 rounding keeps 224
+    on the grid), so s <= max(the largest power of two <= amax / 224, the floor scale of tiny blocks).
+    amax is taken over both arrays, which also covers the two paths picking scales a binade apart."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape and a.shape[-1] % block == 0, (a.shape, b.shape)
+    blocks = np.maximum(np.abs(a), np.abs(b)).reshape(*a.shape[:-1], -1, block)
+    amax = blocks.max(axis=-1, keepdims=True)
+    _, e = np.frexp(amax / (E4M3_MAX / 2))  # the largest power of two <= amax / 224 is 2^(e - 1)
+    s = np.maximum(np.where(amax > 0, np.ldexp(1.0, e - 1), 0.0), 2.0 ** np.ceil(np.log2(AMAX_FLOOR / E4M3_MAX)))
+    subnormal = np.broadcast_to(s * 2.0 ** -9, blocks.shape).reshape(a.shape)
+    m = np.minimum(np.abs(a), np.abs(b))
+    _, e = np.frexp(m)  # m = f * 2^e, f in [0.5, 1): floor(log2 m) = e - 1
+    normal = np.where(m > 0, np.ldexp(1.0, e - 4), 0.0)
+    return np.maximum(normal, subnormal)
+
+
+def assert_within_one_fp8_step(got, want, *, max_fraction: float = 0.01, block: int = 32, what: str = "values"):
+    """got and want went through the same fp8 rounding but were computed by different execution shapes or
+    paths (a [B, 5] and a [B, 20] matmul, a sharded and a one-device program): XLA does not promise equal
+    last bits across those, and a last-bit difference before the rounding moves a value that sits near a
+    rounding midpoint by one fp8 step. So: every element is within one fp8 step (`fp8_step`) of the other,
+    and at most `max_fraction` of the elements differ at all. A real bug (a wrong ring slot, position,
+    row or missing rounding) moves most values of a row by far more than one step."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    step = fp8_step(got, want, block)
+    diff = np.abs(got - want)
+    bad = np.argwhere(diff > step)
+    assert len(bad) == 0, (f"{len(bad)} of {diff.size} {what} more than one fp8 step apart, e.g. at "
+                           + ", ".join(f"{tuple(int(i) for i in ix)}: {got[tuple(ix)]:.6g} vs {want[tuple(ix)]:.6g}"
+                                       f" (step {step[tuple(ix)]:.3g})" for ix in bad[:5]))
+    n = int((diff > 0).sum())
+    assert n <= max_fraction * diff.size, f"{n} of {diff.size} {what} differ (each by at most one fp8 step)"

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
+from spec_helpers import assert_within_one_fp8_step
 
 from dspark_jax.backbones.base import BackboneOutput
 from dspark_jax.backbones.mhc import MhcBackbone, MhcCache, MhcConfig
@@ -285,9 +286,9 @@ def test_qwen3_loader_is_strict(qwen3_hf_both, tmp_path):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _mhc_fixture(moe: bool):
+def _mhc_fixture(moe: bool, kv_fp8: bool = True):
     # 4 Sinkhorn rounds instead of 20: half the compile time; nothing tested here depends on the count.
-    cfg = MhcConfig.from_json(MHC_JSON).replace(hc_sinkhorn_iters=4)
+    cfg = MhcConfig.from_json(MHC_JSON).replace(hc_sinkhorn_iters=4, kv_fp8=kv_fp8)
     if not moe:
         cfg = cfg.replace(n_routed_experts=0)
     bb = MhcBackbone(cfg)
@@ -314,9 +315,23 @@ def mhc_both(request, mhc):
     return mhc if request.param == "moe" else _mhc_fixture(False)
 
 
-def reference_mhc(params, cfg: MhcConfig, tokens):
+@pytest.fixture(scope="module", params=["kv_fp8", "smooth"])
+def mhc_fp8_and_smooth(request, mhc):
+    """The shipped tiny config, and the same weights with the fp8 KV rounding off."""
+    return mhc if request.param == "kv_fp8" else _mhc_fixture(True, kv_fp8=False)
+
+
+def reference_mhc(params, cfg: MhcConfig, tokens, attend_kv=None):
     """Cache-free, scan-free forward written from SPEC 2.4-2.6 with causal attention over the sequence.
-    -> (logits [B, T, V], stream means at every layer entry and after the last layer [L+1][B, T, D])."""
+    -> (logits [B, T, V], stream means at every layer entry and after the last layer [L+1][B, T, D],
+    the reference's own latent KV rows [L, B, T, hd] (fp8-rounded when kv_fp8)).
+
+    attend_kv [L, B, T, hd]: attend with these KV rows (the model's cache) instead of the reference's own.
+    The model computes the same rows in another op order, so they differ in the last bits, and the fp8
+    rounding turns a last-bit difference at a value near a rounding midpoint into a one-fp8-step change
+    that moves the logits by up to 0.1 (measured). The caller checks the model's rows against the
+    returned own rows to within one fp8 step; attending with the model's rows keeps everything after the
+    rounding a smooth comparison."""
     b, t = tokens.shape
     hi = jax.lax.Precision.HIGHEST
     pos = jnp.broadcast_to(jnp.arange(t), (b, t))
@@ -325,7 +340,7 @@ def reference_mhc(params, cfg: MhcConfig, tokens):
     x = params["embed"][tokens]
     X = jnp.repeat(x[:, :, None, :], cfg.hc_mult, axis=2)
     pre = jnp.zeros((b, t, cfg.hc_mult)).at[..., 0].set(1.0)
-    means = []
+    means, own_kv = [], []
     for i in range(cfg.n_layers):
         p = jax.tree.map(lambda a: a[i], params["layers"])
         means.append(X.mean(axis=2))
@@ -341,6 +356,9 @@ def reference_mhc(params, cfg: MhcConfig, tokens):
         kv = rope(kv, pos)
         if cfg.kv_fp8:
             kv = fp8_quant_dequant(kv)
+        own_kv.append(kv)
+        if attend_kv is not None:
+            kv = jnp.asarray(attend_kv[i])
         s = jnp.einsum("bthd,bsd->bhts", q, kv, precision=hi) * cfg.head_dim ** -0.5
         s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
         s = jnp.concatenate([s, jnp.broadcast_to(a["sink"][None, :, None, None], (b, cfg.n_heads, t, 1))], -1)
@@ -365,17 +383,24 @@ def reference_mhc(params, cfg: MhcConfig, tokens):
         pre = ffn_pre
     means.append(X.mean(axis=2))
     h = rms_norm(hc_pre(X, pre), params["norm"]["scale"], cfg.norm_eps)
-    return jnp.einsum("btd,vd->btv", h, params["head"], precision=hi), means
+    return jnp.einsum("btd,vd->btv", h, params["head"], precision=hi), means, jnp.stack(own_kv)
 
 
 def test_mhc_full_forward_and_taps_match_reference(mhc_both):
+    """Logits, taps and the cached KV rows against the reference. The KV rows go through the fp8
+    rounding on both sides, computed in different op orders: they must agree to within one fp8 step
+    (and at most 1% of them differ at all; a wrong position, a missing rounding or a wrong row fails);
+    the reference then attends with the model's rows (see `reference_mhc`) so the logits and taps are
+    a smooth comparison at 1e-4, which any error in attention, mixing, FFN or head exceeds."""
     bb, params, fwd = mhc_both
     cfg, D = bb.cfg, bb.dim
     seq = _tokens(1, (B, N))
-    ref_logits, means = reference_mhc(params, cfg, jnp.asarray(seq))
     cache = bb.init_cache(B, MAX_LEN)
     out = fwd(params, cache, jnp.asarray(seq), taps=FAMILY_TAPS)
     assert isinstance(out.cache, MhcCache) and out.taps.shape == (B, N, 3 * D)
+    model_kv = np.asarray(out.cache.kv[:, :, :N])
+    ref_logits, means, ref_kv = reference_mhc(params, cfg, jnp.asarray(seq), attend_kv=model_kv)
+    assert_within_one_fp8_step(model_kv, ref_kv, what="cached KV values")
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref_logits), atol=1e-4, rtol=0)
     assert float(jnp.std(ref_logits)) > 0.1  # not a degenerate model
     for j, layer in enumerate(FAMILY_TAPS):  # entry of layer i = mean of the streams entering it
@@ -390,16 +415,29 @@ def test_mhc_full_forward_and_taps_match_reference(mhc_both):
                                    atol=1e-4, rtol=0)
 
 
-def test_mhc_incremental_decoding_with_rollback_matches_full(mhc):
-    bb, params, fwd = mhc
+def test_mhc_incremental_decoding_with_rollback_matches_full(mhc_fp8_and_smooth):
+    """Prefill + decode calls of 4 and 1 tokens with rollbacks = one full forward: the committed KV rows
+    with the shipped fp8 rounding, the logits and taps with it off.
+
+    The two sides compute the same rows in [B, 4], [B, 1] and [B, 16] calls, which XLA:CPU rounds
+    differently in the last bits (~5e-6 on the KV rows). With the fp8 KV rounding a value sitting near a
+    rounding midpoint then moves by one fp8 step, and every later logit of that row by up to 0.1, so with
+    kv_fp8 on only the cache is compared: every committed row within one fp8 step, at most 1% of the values
+    different. A wrong slot, a leaked rejected draft or a wrong position changes most of a row by O(1) and
+    fails both variants; without the rounding the logits and taps must agree to 1e-4."""
+    bb, params, fwd = mhc_fp8_and_smooth
     seq = _tokens(2, (B, N))
     taps = FAMILY_TAPS
     full = fwd(params, bb.init_cache(B, MAX_LEN), jnp.asarray(seq), taps=taps)
     logits, feats, cache = _decode_schedule(bb, fwd, params, seq, PREFILL, STEPS, taps=taps)
     m = logits.shape[1]
-    np.testing.assert_allclose(logits, np.asarray(full.logits[:, :m]), atol=1e-4, rtol=0)
-    np.testing.assert_allclose(feats, np.asarray(full.taps[:, :m]), atol=1e-4, rtol=0)
     assert np.all(np.asarray(cache.length) == m)
+    if bb.cfg.kv_fp8:
+        assert_within_one_fp8_step(cache.kv[:, :, :m], full.cache.kv[:, :, :m], what="cached KV values")
+    else:
+        np.testing.assert_allclose(cache.kv[:, :, :m], full.cache.kv[:, :, :m], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(logits, np.asarray(full.logits[:, :m]), atol=1e-4, rtol=0)
+        np.testing.assert_allclose(feats, np.asarray(full.taps[:, :m]), atol=1e-4, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import CONFIGS
 from scipy import stats
-from spec_helpers import oracle_propose, padded, plain_greedy_tokens
+from spec_helpers import assert_within_one_fp8_step, oracle_propose, padded, plain_greedy_tokens
 from spec_helpers import random_prompts as prompts
 
 from dspark_jax import draft, sampling
@@ -92,9 +92,24 @@ def test_engine_greedy_equals_plain_with_the_real_draft():
         assert r.tokens == want[r.id, :len(r.tokens)].tolist()
 
 
-def test_ring_backfill_equals_prefill_of_the_committed_sequence():
+@pytest.mark.parametrize("kv_fp8", [True, False])
+def test_ring_backfill_equals_prefill_of_the_committed_sequence(kv_fp8):
+    """The ring after 12 rounds of mixed verify lengths (ingest of 1..K+1 rows per round, wrapped around
+    the 16-row window) holds the rows a one-shot prefill of the committed sequence writes.
+
+    The two sides compute the same rows with different execution shapes (the rounds' [B, K+1] backbone
+    and ingest calls vs one [B, 50] forward), and XLA:CPU gives the same math in different last bits
+    across shapes (~5e-6 here on rows of RMS 1). With the draft's fp8 KV rounding on (as trained), such a
+    difference moves a value that sits near a rounding midpoint by one fp8 step (6% of it; we saw 1 of
+    6144 values move on one machine and none on another), so that variant asserts "within one fp8 step of
+    each value, and at most 1% of the values differ". With kv_fp8 off the rows are smooth functions of
+    the inputs and must agree to 1e-5 relative (3e-5 absolute on rows of RMS 1). Both still fail for a
+    wrong ring slot, position or row: that changes most of a row's values by O(1), far beyond one fp8
+    step (6-12% of a value) and beyond 3e-5. (The oracle draft does not read the ring, so both variants
+    commit the same tokens.)"""
     bb, weights = family("mhc")
-    model = sr.SpecModel(bb, CFG, impl="xla", propose_fn=oracle_propose)
+    cfg = CFG.replace(kv_fp8=kv_fp8)
+    model = sr.SpecModel(bb, cfg, impl="xla", propose_fn=oracle_propose)
     b, maxlen = 3, 96
     state = sr.init_state(model, b, maxlen)
     prompt = jnp.asarray(np.random.default_rng(3).integers(0, 512, (b, 8)), jnp.int32)
@@ -108,17 +123,20 @@ def test_ring_backfill_equals_prefill_of_the_committed_sequence():
                          num_verify=jnp.array([K, i % (K + 1), 2]))
         for r in range(b):
             seqs[r] += [int(t) for t in out.tokens[r] if t >= 0]
-    assert int(state.draft.length.min()) > CFG.window  # wrapped around
+    assert int(state.draft.length.min()) > cfg.window  # wrapped around
     # committed = everything but the last anchor; rebuild the ring from scratch over those positions
     committed = [s[:-1] for s in seqs]
     np.testing.assert_array_equal(state.cache.length, [len(c) for c in committed])
     np.testing.assert_array_equal(state.draft.length, [len(c) for c in committed])
     t = max(len(c) for c in committed)
     toks = jnp.asarray([c + [0] * (t - len(c)) for c in committed], jnp.int32)
-    fresh = bb.forward(weights.backbone, bb.init_cache(b, maxlen), toks, taps=CFG.target_layer_ids)
-    ref = draft.prefill(weights.draft, CFG, draft.init_state(CFG, b), fresh.taps,
+    fresh = bb.forward(weights.backbone, bb.init_cache(b, maxlen), toks, taps=cfg.target_layer_ids)
+    ref = draft.prefill(weights.draft, cfg, draft.init_state(cfg, b), fresh.taps,
                         jnp.asarray([len(c) for c in committed]), impl="xla")
-    np.testing.assert_allclose(state.draft.ring, ref.ring, atol=1e-4)
+    if kv_fp8:
+        assert_within_one_fp8_step(state.draft.ring, ref.ring, what="ring values")
+    else:
+        np.testing.assert_allclose(state.draft.ring, ref.ring, rtol=1e-5, atol=3e-5)
     np.testing.assert_array_equal(state.anchor, [s[-1] for s in seqs])
 
 
@@ -181,8 +199,12 @@ def _chi2(samples, probs, alpha=1e-3):
 
 
 def test_same_seed_same_output_alone_or_in_a_batch():
+    # What is tested is the keyed randomness (seed, position, stream), not the draft's numerics: the
+    # draft's ring rows are computed at batch 1 vs 3, and with the fp8 KV rounding a last-bit difference
+    # there can move a draft logit by ~1e-3, which a uniform landing in that margin would turn into a
+    # different (equally valid) sample. So the draft runs without the fp8 rounding here.
     bb, weights = family("mhc")
-    model = sr.SpecModel(bb, CFG, impl="xla")
+    model = sr.SpecModel(bb, CFG.replace(kv_fp8=False), impl="xla")
     target = Request([5, 6, 7], max_tokens=20, temperature=1.0, top_k=50, seed=1234, id="t")
     others = [Request(p, max_tokens=15, temperature=0.8, seed=i, id=i) for i, p in enumerate(prompts(5, 9))]
     alone = Engine(model, weights, EngineConfig(mode="off", max_slots=1, max_len=64, progress=False)).generate([target])
