@@ -97,7 +97,8 @@ def pow2_scale_exponent(amax: float, fmt_max: float) -> int:
 
 
 def np_fp8_encode(w: np.ndarray):
-    """Reference fp8 export: per 32x32 block, e = pow2 exponent of max|w|/448, byte = e4m3(w / 2^e)."""
+    """Reference fp8 export: per 32x32 block, e = pow2 exponent of max|w|/448, byte = e4m3(w / 2^e); then the
+    scale the same rule gives for the decoded block (e - 1 when the rounded max is exactly 224), same values."""
     w = np.asarray(w, dtype=np.float64)
     out, inn = w.shape
     so, si = -(-out // 32), -(-inn // 32)
@@ -107,13 +108,16 @@ def np_fp8_encode(w: np.ndarray):
         for bi in range(si):
             blk = w[bo * 32:(bo + 1) * 32, bi * 32:(bi + 1) * 32]
             e = pow2_scale_exponent(float(np.abs(blk).max()), 448.0)
+            vals = e4m3_decode(e4m3_encode(blk * 2.0 ** -e)) * 2.0 ** e
+            e = pow2_scale_exponent(float(np.abs(vals).max()), 448.0)
             s[bo, bi] = e + 127
-            q[bo * 32:(bo + 1) * 32, bi * 32:(bi + 1) * 32] = e4m3_encode(blk * 2.0 ** -e)
+            q[bo * 32:(bo + 1) * 32, bi * 32:(bi + 1) * 32] = e4m3_encode(vals * 2.0 ** -e)
     return q, s
 
 
 def np_fp4_encode(w: np.ndarray):
-    """Reference fp4 export: per row and 32 columns, e = pow2 exponent of max|w|/6; packed low nibble first."""
+    """Reference fp4 export: per row and 32 columns, e = pow2 exponent of max|w|/6, then (as for fp8) the
+    exponent of the decoded block; packed low nibble first."""
     w = np.asarray(w, dtype=np.float64)
     out, inn = w.shape
     codes = np.zeros(w.shape, np.uint8)
@@ -122,8 +126,10 @@ def np_fp4_encode(w: np.ndarray):
         for bi in range(s.shape[1]):
             blk = w[o, bi * 32:(bi + 1) * 32]
             e = pow2_scale_exponent(float(np.abs(blk).max()), 6.0)
+            vals = e2m1_decode(e2m1_encode(blk * 2.0 ** -e)) * 2.0 ** e
+            e = pow2_scale_exponent(float(np.abs(vals).max()), 6.0)
             s[o, bi] = e + 127
-            codes[o, bi * 32:(bi + 1) * 32] = e2m1_encode(blk * 2.0 ** -e)
+            codes[o, bi * 32:(bi + 1) * 32] = e2m1_encode(vals * 2.0 ** -e)
     packed = (codes[:, 0::2] & 0xF) | (codes[:, 1::2] << 4)
     return packed.astype(np.uint8), s
 
@@ -170,6 +176,12 @@ def st_write(path: Path, entries, header_patch=None) -> None:
             f.write(raw)
 
 
+def scale_of(name: str) -> str:
+    """SPEC 3: the scale of `<linear>.weight` is `<linear>.scale` (not `<linear>.weight.scale`)."""
+    assert name.endswith(".weight"), name
+    return name[: -len(".weight")] + ".scale"
+
+
 def v41_layout(cfg: DSparkConfig):
     """(name, kind, logical shape) of every draft tensor plus the tied ones, per SPEC section 3."""
     D, V, r, E, I = cfg.dim, cfg.vocab_size, cfg.markov_rank, cfg.n_routed_experts, cfg.moe_inter_dim
@@ -191,7 +203,7 @@ def v41_layout(cfg: DSparkConfig):
             (p + "hc_attn_base", "f32", (M,)), (p + "hc_ffn_base", "f32", (M,)),
             (p + "hc_attn_scale", "f32", (3,)), (p + "hc_ffn_scale", "f32", (3,)),
             (p + "ffn.gate.weight", "bf16", (E, D)), (p + "ffn.gate.bias", "f32", (E,)),
-            (p + "ffn.gate.bias_vl", "f32", (E,)),
+            *([(p + "ffn.gate.bias_vl", "f32", (E,))] if cfg.vision else []),  # models with a vision tower
             (p + "ffn.shared_experts.w1.weight", "fp8", (I, D)), (p + "ffn.shared_experts.w3.weight", "fp8", (I, D)),
             (p + "ffn.shared_experts.w2.weight", "fp8", (D, I)),
         ]
@@ -241,7 +253,7 @@ def build_v41_checkpoint(folder: Path, cfg: DSparkConfig, seed=0, *, n_files=3, 
         values[name] = val
         if replace and name in replace:
             ents = replace[name]
-        names = [name, name + ".scale"][:len(ents)]
+        names = [name, scale_of(name)] if len(ents) == 2 else [name]
         groups.append([(n, *e) for n, e in zip(names, ents) if n not in drop])
     groups.append([("layers.0.attn.wq_a.weight", "BF16", (4, 4), bytes(32)),
                    ("layers.0.ffn.experts.0.w1.weight", "I8", (4, 2), bytes(8))])
@@ -283,7 +295,8 @@ def expected_tree(values: dict, cfg: DSparkConfig) -> dict:
         t[(b, "attn", "sink")] = values[p + "attn.attn_sink"]
         t[(b, "ffn", "gate", "kernel")] = values[p + "ffn.gate.weight"].T
         t[(b, "ffn", "gate", "bias")] = values[p + "ffn.gate.bias"]
-        t[(b, "ffn", "gate", "bias_vl")] = values[p + "ffn.gate.bias_vl"]
+        if cfg.vision:
+            t[(b, "ffn", "gate", "bias_vl")] = values[p + "ffn.gate.bias_vl"]
         for w in ("w1", "w2", "w3"):
             t[(b, "ffn", "experts", w)] = np.stack([values[p + f"ffn.experts.{e}.{w}.weight"].T
                                                     for e in range(cfg.n_routed_experts)])
@@ -357,9 +370,10 @@ def test_fp8_encoder_matches_numpy_bitwise(shape):
     deq = formats.dequantize_fp8_block(q, s, np.float32)
     assert np.array_equal(deq.astype(np.float64), np_fp8_decode(rq, rs))
     # Within format precision: e4m3 keeps 3 mantissa bits (relative half-step 2^-4) above its
-    # subnormal range, whose absolute step is 2^-9 * block scale.
+    # subnormal range, whose absolute step is 2^-9 * the rounding scale (the stored scale, or twice it
+    # where the decoded block's scale is one lower).
     scale = np.exp2(np.repeat(np.repeat(rs.astype(np.float64) - 127, 32, 0), 32, 1)[:shape[0], :shape[1]])
-    tol = np.maximum(np.abs(w) * 2.0 ** -4, 2.0 ** -10 * scale)
+    tol = np.maximum(np.abs(w) * 2.0 ** -4, 2.0 ** -9 * scale)
     assert np.all(np.abs(deq - w) <= tol)
 
 
@@ -375,9 +389,10 @@ def test_fp4_encoder_matches_numpy_bitwise(shape):
     assert np.array_equal(packed.view(np.uint8), rp)
     deq = formats.dequantize_fp4(packed, s, np.float32)
     assert np.array_equal(deq.astype(np.float64), np_fp4_decode(rp, rs))
-    # Within format precision: grid spacing is at most 2 (between 4 and 6) at scale 1, 0.5 near 0.
+    # Within format precision: grid spacing is at most 2 (between 4 and 6) at scale 1, 0.5 near 0 (the
+    # rounding scale is the stored one or twice it, see np_fp4_encode).
     scale = np.exp2(np.repeat(rs.astype(np.float64) - 127, 32, 1)[:, :shape[1]])
-    assert np.all(np.abs(deq - w) <= np.maximum(np.abs(w) / 4, 0.25 * scale) + 1e-300)
+    assert np.all(np.abs(deq - w) <= np.maximum(np.abs(w) / 4, 0.5 * scale) + 1e-300)
 
 
 def test_fp4_nibble_order_and_tie_rounding():
@@ -426,10 +441,10 @@ def test_full_size_fp8_wq_b_and_fp4_expert_dequantize_bit_exact(tmp_path):
     p = rng.integers(0, 256, size=(2304, 1280), dtype=np.uint8)
     ps = rng.integers(100, 150, size=(2304, 80), dtype=np.uint8)
     st_write(tmp_path / "a.safetensors", [
-        (wq_b, "F8_E4M3", (32768, 1280), q.tobytes()), (wq_b + ".scale", "F8_E8M0", (1024, 40), qs.tobytes()),
-        (w1, "I8", (2304, 1280), p.tobytes()), (w1 + ".scale", "F8_E8M0", (2304, 80), ps.tobytes()),
+        (wq_b, "F8_E4M3", (32768, 1280), q.tobytes()), (scale_of(wq_b), "F8_E8M0", (1024, 40), qs.tobytes()),
+        (w1, "I8", (2304, 1280), p.tobytes()), (scale_of(w1), "F8_E8M0", (2304, 80), ps.tobytes()),
         ("mtp.0.ffn.experts.1.w1.weight", "F4", (2304, 2560), p.tobytes()),
-        ("mtp.0.ffn.experts.1.w1.weight.scale", "F8_E8M0", (2304, 80), ps.tobytes()),
+        ("mtp.0.ffn.experts.1.w1.scale", "F8_E8M0", (2304, 80), ps.tobytes()),
     ])
     reader = open_checkpoint(tmp_path / "a.safetensors")
     src = v41.detect(reader, wq_b, (32768, 1280))
@@ -602,13 +617,17 @@ def tiny_ckpt(tmp_path_factory):
     return folder, values
 
 
-def test_table_agrees_with_draft_and_docs():
-    v41.check_table_against_draft(TINY)  # raises on any disagreement with dspark_jax.draft
+@pytest.mark.parametrize("vision", [False, True])
+def test_table_agrees_with_draft_and_docs(vision):
+    cfg = TINY.replace(vision=vision)
+    v41.check_table_against_draft(cfg)  # raises on any disagreement with dspark_jax.draft
     from dspark_jax import draft
 
     shapes = {tuple(str(k.key) for k in kp): tuple(x.shape) for kp, x in
-              jax.tree_util.tree_flatten_with_path(draft.abstract_params(TINY))[0]}
-    assert shapes == v41.expected_shapes(TINY)
+              jax.tree_util.tree_flatten_with_path(draft.abstract_params(cfg))[0]}
+    assert shapes == v41.expected_shapes(cfg)
+    # the router's image-token bias exists exactly in models with a vision tower
+    assert (("blocks_0", "ffn", "gate", "bias_vl") in shapes) == vision
 
 
 def _both_config_spellings(tmp_path) -> list[Path]:
@@ -671,28 +690,28 @@ def _tiny_case(tmp_path, **kw):
     ("missing", r"missing tensor 'mtp\.1\.attn\.wkv\.weight' \(expected shape \[64, 64\]\)"),
     ("missing_expert", r"missing tensor 'mtp\.0\.ffn\.experts\.7\.w2\.weight'"),
     ("missing_scale", r"tensor 'mtp\.0\.attn\.wq_b\.weight' is F8_E4M3 but its scale "
-                      r"'mtp\.0\.attn\.wq_b\.weight\.scale' is missing"),
+                      r"'mtp\.0\.attn\.wq_b\.scale' is missing"),
     ("missing_tied", r"missing tensor 'head\.weight'"),
     ("extra", r"unexpected tensor\(s\).*'mtp\.0\.attn\.foo\.weight'"),
     ("extra_expert", r"unexpected tensor\(s\).*'mtp\.1\.ffn\.experts\.8\.w1\.weight'"),
     ("extra_stage", r"unexpected tensor\(s\).*'mtp\.2\.norm\.weight'"),
-    ("extra_scale", r"tensor 'mtp\.0\.ffn\.gate\.weight' is BF16 but 'mtp\.0\.ffn\.gate\.weight\.scale' exists"),
+    ("extra_scale", r"tensor 'mtp\.0\.ffn\.gate\.weight' is BF16 but 'mtp\.0\.ffn\.gate\.scale' exists"),
     ("misshaped", r"tensor 'mtp\.0\.attn\.wq_b\.weight': shape \[32, 256\], expected \[256, 32\]"),
     ("misshaped_plain", r"tensor 'mtp\.1\.markov_head\.embed\.weight': shape \[512, 8\], expected \[512, 16\]"),
     ("misshaped_fp4",
      r"tensor 'mtp\.0\.ffn\.experts\.3\.w1\.weight': shape \[32, 64\], expected \[32, 32\] \(packed fp4"),
-    ("misshaped_scale", r"tensor 'mtp\.0\.attn\.wo_a\.weight\.scale': shape \[2, 2\], expected \[2, 4\]"),
+    ("misshaped_scale", r"tensor 'mtp\.0\.attn\.wo_a\.scale': shape \[2, 2\], expected \[2, 4\]"),
     ("wrong_dtype", r"tensor 'mtp\.0\.attn\.wq_a\.weight': dtype I32 is not a weight storage dtype"),
-    ("wrong_scale_dtype", r"tensor 'mtp\.0\.attn\.wkv\.weight\.scale': dtype U8, expected F8_E8M0"),
-    ("nan_scale", r"mtp\.1\.attn\.wo_b\.weight\.scale: E8M0 scale byte 255 \(NaN\)"),
+    ("wrong_scale_dtype", r"tensor 'mtp\.0\.attn\.wkv\.scale': dtype U8, expected F8_E8M0"),
+    ("nan_scale", r"mtp\.1\.attn\.wo_b\.scale: E8M0 scale byte 255 \(NaN\)"),
 ])
 def test_loader_is_strict(tmp_path, case, pattern):
     if case == "missing":
         load = _tiny_case(tmp_path, drop={"mtp.1.attn.wkv.weight"})
     elif case == "missing_expert":
-        load = _tiny_case(tmp_path, drop={"mtp.0.ffn.experts.7.w2.weight", "mtp.0.ffn.experts.7.w2.weight.scale"})
+        load = _tiny_case(tmp_path, drop={"mtp.0.ffn.experts.7.w2.weight", "mtp.0.ffn.experts.7.w2.scale"})
     elif case == "missing_scale":
-        load = _tiny_case(tmp_path, drop={"mtp.0.attn.wq_b.weight.scale"})
+        load = _tiny_case(tmp_path, drop={"mtp.0.attn.wq_b.scale"})
     elif case == "missing_tied":
         load = _tiny_case(tmp_path, drop={"head.weight"})
     elif case == "extra":
@@ -702,7 +721,7 @@ def test_loader_is_strict(tmp_path, case, pattern):
     elif case == "extra_stage":
         load = _tiny_case(tmp_path, extra=[("mtp.2.norm.weight", "BF16", (64,), bytes(128))])
     elif case == "extra_scale":
-        load = _tiny_case(tmp_path, extra=[("mtp.0.ffn.gate.weight.scale", "F8_E8M0", (1, 2), bytes(2))])
+        load = _tiny_case(tmp_path, extra=[("mtp.0.ffn.gate.scale", "F8_E8M0", (1, 2), bytes(2))])
     elif case == "misshaped":
         q = bytes(32 * 256)
         load = _tiny_case(tmp_path, replace={"mtp.0.attn.wq_b.weight": [("F8_E4M3", (32, 256), q),
@@ -774,21 +793,22 @@ def test_export_fp8_matches_reference_encoders(tmp_path, fp4_dtype):
         info = reader.info(n)
         if k == "fp8":
             assert (info.dtype, info.shape) == ("F8_E4M3", shape)
-            assert reader.info(n + ".scale").shape == (-(-shape[0] // 32), -(-shape[1] // 32))
+            assert reader.info(scale_of(n)).shape == (-(-shape[0] // 32), -(-shape[1] // 32))
         elif k == "fp4":
             assert (info.dtype, info.shape) == (fp4_dtype, shape if fp4_dtype == "F4" else (shape[0], shape[1] // 2))
-            assert reader.info(n + ".scale").shape == (shape[0], shape[1] // 32)
+            assert reader.info(scale_of(n)).shape == (shape[0], shape[1] // 32)
         else:
-            assert (info.dtype, info.shape) == (k.upper(), shape) and n + ".scale" not in reader
+            assert (info.dtype, info.shape) == (k.upper(), shape)
+            assert n + ".scale" not in reader and not (n.endswith(".weight") and scale_of(n) in reader), n
     # The exported bytes are exactly those of the independent numpy encoders...
     wq_b = np.asarray(params["blocks_1"]["attn"]["wq_b"]["kernel"]).T
     rq, rs = np_fp8_encode(wq_b.astype(np.float64))
     assert np.array_equal(reader.read("mtp.1.attn.wq_b.weight").view(np.uint8), rq)
-    assert np.array_equal(reader.read("mtp.1.attn.wq_b.weight.scale").view(np.uint8), rs)
+    assert np.array_equal(reader.read("mtp.1.attn.wq_b.scale").view(np.uint8), rs)
     w2 = np.asarray(params["blocks_0"]["ffn"]["experts"]["w2"][5]).T
     rp, rs = np_fp4_encode(w2.astype(np.float64))
     assert np.array_equal(reader.read("mtp.0.ffn.experts.5.w2.weight").view(np.uint8), rp)
-    assert np.array_equal(reader.read("mtp.0.ffn.experts.5.w2.weight.scale").view(np.uint8), rs)
+    assert np.array_equal(reader.read("mtp.0.ffn.experts.5.w2.scale").view(np.uint8), rs)
     # ...and loading gives back every leaf within its format's precision (bf16 / f32 ones exactly).
     back, tied = v41.load_v41_draft(tmp_path, cfg, dtype="float32", with_tied=False)
     assert tied is None

@@ -1,7 +1,8 @@
 """`dspark bench convert`: checkpoint conversion throughput and peak memory.
 
 Builds a synthetic checkpoint in the exact V4.1-Flash layout (full per-tensor shapes of SPEC section 3:
-fp8 dense linears with 32x32 E8M0 scales, packed fp4 experts with 1x32 scales, bf16 / f32 rest) for
+fp8 dense linears `<linear>.weight` with 32x32 E8M0 scales `<linear>.scale`, packed fp4 experts with 1x32
+scales, bf16 / f32 rest, `ffn.gate.bias_vl` as in a model with a vision tower) for
 `--stages` draft stages but only `--experts` routed experts, then times, each phase in a fresh process
 so its peak RSS is its own:
   * fp8 -> bf16 safetensors (streaming dequantisation),
@@ -48,8 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def bench_config(stages: int, experts: int):
     from dspark_jax.config import DSparkConfig  # noqa: PLC0415
 
+    # V4.1-Flash has a vision tower, so its routers carry `ffn.gate.bias_vl` (3 of its 2,401 draft tensors).
     return DSparkConfig().replace(n_layers=stages, n_routed_experts=experts,
-                                  n_activated_experts=min(3, experts))
+                                  n_activated_experts=min(3, experts), vision=True)
 
 
 # ---------------------------------------------------------------------------------------------

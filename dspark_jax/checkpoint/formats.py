@@ -6,11 +6,18 @@
   nibble; bit 3 of a code is the sign), stored `[out, in/2]`, plus an E8M0 scale per 32 values along
   the inner dimension, `scale [out, ceil(in/32)]`:  W[o, k] = E2M1[code] * 2^(scale[o, k//32] - 127).
 
+The scale of weight `<linear>.weight` is the tensor `<linear>.scale` (`scale_name`), as in the official
+checkpoint (`mtp.0.main_proj.weight` + `mtp.0.main_proj.scale`), not `<linear>.weight.scale`.
+
 Scales are powers of two, so dequantisation (a multiplication by 2^e, the same as ldexp) is exact in
 float32 and bfloat16 (same exponent range, more mantissa than either format) unless a product falls
-below the normal range. Encoders pick the smallest power-of-two scale whose block maximum fits the
-format maximum (448 / 6) and round to nearest, ties to even, which makes
-`decode(encode(w))` the nearest representable grid point of every value.
+below the normal range. Encoders round as the official quantizer does: the smallest power-of-two
+scale whose block maximum fits the format maximum (448 / 6), `2^ceil(log2(amax / max))`, then round to
+nearest, ties to even, so `decode(encode(w))` is the nearest grid point of every value. When the rounded
+block maximum falls to exactly half the format maximum (224 / 3; e.g. amax / 2^e = 225 rounds to 224) the
+same values are also exact at half that scale, which is what the rule picks for the decoded block; the
+encoders then store that representation (codes one binade up, scale one down: the same values), so
+`encode(decode(encode(w))) == encode(w)` byte for byte and export -> load -> export is stable.
 
 Work is done in row chunks so a multi-GB tensor never needs a float32 copy of itself.
 """
@@ -39,6 +46,11 @@ _E4M3_LUT.setflags(write=False)
 _CHUNK_ELEMS = 1 << 22
 
 
+def scale_name(name: str) -> str:
+    """The scale tensor of weight `name`: `<linear>.weight` -> `<linear>.scale` (official layout)."""
+    return name[: -len(".weight")] + ".scale" if name.endswith(".weight") else name + ".scale"
+
+
 def _rows_per_chunk(n_cols: int, multiple: int) -> int:
     rows = max(1, _CHUNK_ELEMS // max(1, n_cols))
     return max(multiple, rows // multiple * multiple)
@@ -65,6 +77,12 @@ def _pow2_exponent(amax: np.ndarray, fmt_max: float) -> np.ndarray:
     return np.clip(e, -E8M0_BIAS, E8M0_BIAS).astype(np.int32)
 
 
+def _canonical_exponent(e: np.ndarray, rounded_amax: np.ndarray, fmt_max: float) -> np.ndarray:
+    """The exponent the scale rule gives for the DECODED block (rounded maximum `rounded_amax` at scale
+    2^e): e, or e - 1 when the rounded maximum is exactly fmt_max / 2 (0 for a block rounded to zero)."""
+    return _pow2_exponent(np.ldexp(rounded_amax.astype(np.float64), e), fmt_max)
+
+
 # ---------------------------------------------------------------------------------------------
 # fp8 E4M3 with 32x32 E8M0 block scales
 # ---------------------------------------------------------------------------------------------
@@ -81,9 +99,9 @@ def dequantize_fp8_block(weight: np.ndarray, scale: np.ndarray, dtype=np.float32
         raise CheckpointError(f"{name}: fp8 block-scaled weight must be 2-D, got shape {list(w.shape)}")
     want = fp8_scale_shape(w.shape)
     if tuple(scale.shape) != want:
-        raise CheckpointError(f"{name}.scale: shape {list(scale.shape)}, expected {list(want)} "
+        raise CheckpointError(f"{scale_name(name)}: shape {list(scale.shape)}, expected {list(want)} "
                               f"(ceil of {list(w.shape)} / {FP8_BLOCK})")
-    exps = e8m0_exponents(scale, f"{name}.scale")
+    exps = e8m0_exponents(scale, scale_name(name))
     n_out, n_in = w.shape
     if out is None:
         out = np.empty((n_out, n_in), dtype=dtype)
@@ -127,15 +145,22 @@ def quantize_fp8_block(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if not np.all(np.isfinite(x)):
             raise CheckpointError("fp8 quantisation: weight has non-finite values")
         pad_out = (-(r1 - r0)) % FP8_BLOCK
-        a = np.pad(np.abs(x), ((0, pad_out), (0, pad_in)))
-        amax = a.reshape(a.shape[0] // FP8_BLOCK, FP8_BLOCK, sb_in, FP8_BLOCK).max(axis=(1, 3))
-        e = _pow2_exponent(amax, E4M3_MAX)
-        sbytes[r0 // FP8_BLOCK: r0 // FP8_BLOCK + e.shape[0]] = (e + E8M0_BIAS).astype(np.uint8)
-        e_full = np.repeat(np.repeat(e, FP8_BLOCK, axis=0)[: r1 - r0], FP8_BLOCK, axis=1)[:, :n_in]
+
+        def block_max(v):  # [rows, n_in] -> [row blocks, sb_in]
+            v = np.pad(np.abs(v), ((0, pad_out), (0, pad_in)))
+            return v.reshape(v.shape[0] // FP8_BLOCK, FP8_BLOCK, sb_in, FP8_BLOCK).max(axis=(1, 3))
+
+        def per_value(b):  # [row blocks, sb_in] -> [rows, n_in]
+            return np.repeat(np.repeat(b, FP8_BLOCK, axis=0)[: r1 - r0], FP8_BLOCK, axis=1)[:, :n_in]
+
+        e = _pow2_exponent(block_max(x), E4M3_MAX)
         # Values below the smallest e4m3 subnormal times 2^-127 underflow in float32 first; they
         # would round to zero in e4m3 anyway. ml_dtypes casts float32 -> e4m3fn with ties-to-even.
-        scaled = np.clip(np.ldexp(x, -e_full), -E4M3_MAX, E4M3_MAX)
-        q[r0:r1] = scaled.astype(ml_dtypes.float8_e4m3fn)
+        scaled = np.clip(np.ldexp(x, -per_value(e)), -E4M3_MAX, E4M3_MAX)
+        r = scaled.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+        e2 = _canonical_exponent(e, block_max(r), E4M3_MAX)
+        sbytes[r0 // FP8_BLOCK: r0 // FP8_BLOCK + e.shape[0]] = (e2 + E8M0_BIAS).astype(np.uint8)
+        q[r0:r1] = np.ldexp(r, per_value(e - e2)).astype(ml_dtypes.float8_e4m3fn)  # exact: same values
     return q, sbytes.view(ml_dtypes.float8_e8m0fnu)
 
 
@@ -173,9 +198,9 @@ def dequantize_fp4(packed: np.ndarray, scale: np.ndarray, dtype=np.float32, *, n
     n_out, n_in = p.shape[0], p.shape[1] * 2
     want = fp4_scale_shape((n_out, n_in))
     if tuple(scale.shape) != want:
-        raise CheckpointError(f"{name}.scale: shape {list(scale.shape)}, expected {list(want)} "
+        raise CheckpointError(f"{scale_name(name)}: shape {list(scale.shape)}, expected {list(want)} "
                               f"for fp4 weight [{n_out}, {n_in}] (packed [{n_out}, {n_in // 2}])")
-    exps = e8m0_exponents(scale, f"{name}.scale")
+    exps = e8m0_exponents(scale, scale_name(name))
     if out is None:
         out = np.empty((n_out, n_in), dtype=dtype)
     factors = np.ldexp(np.float32(1), exps)
@@ -222,9 +247,16 @@ def quantize_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         x = np.asarray(w[r0:r1], dtype=np.float32)
         if not np.all(np.isfinite(x)):
             raise CheckpointError("fp4 quantisation: weight has non-finite values")
-        a = np.pad(np.abs(x), ((0, 0), (0, pad_in)))
-        e = _pow2_exponent(a.reshape(r1 - r0, nb, FP4_BLOCK).max(axis=2), E2M1_MAX)
-        sbytes[r0:r1] = (e + E8M0_BIAS).astype(np.uint8)
-        scaled = np.ldexp(x, -np.repeat(e, FP4_BLOCK, axis=1)[:, :n_in])
-        packed[r0:r1] = pack_fp4(_e2m1_codes(scaled))
+
+        def block_max(v):  # [rows, n_in] -> [rows, nb]
+            return np.pad(np.abs(v), ((0, 0), (0, pad_in))).reshape(v.shape[0], nb, FP4_BLOCK).max(axis=2)
+
+        def per_value(b):  # [rows, nb] -> [rows, n_in]
+            return np.repeat(b, FP4_BLOCK, axis=1)[:, :n_in]
+
+        e = _pow2_exponent(block_max(x), E2M1_MAX)
+        r = E2M1_VALUES[_e2m1_codes(np.ldexp(x, -per_value(e)))]
+        e2 = _canonical_exponent(e, block_max(r), E2M1_MAX)
+        sbytes[r0:r1] = (e2 + E8M0_BIAS).astype(np.uint8)
+        packed[r0:r1] = pack_fp4(_e2m1_codes(np.ldexp(r, per_value(e - e2))))  # exact: same values
     return packed, sbytes.view(ml_dtypes.float8_e8m0fnu)

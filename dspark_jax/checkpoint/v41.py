@@ -5,10 +5,12 @@ an exporter and a streaming safetensors -> safetensors converter.
 transform, how the official checkpoint stores it (fp8 / fp4 / bf16 / f32), which stages carry it and
 its checkpoint shape as a function of the config. Everything else here is generic over that table.
 
-Loading is strict: each `mtp.*` tensor must be in the table (or be the `.scale` of a quantised one),
+Loading is strict: each `mtp.*` tensor must be in the table (or be the scale of a quantised one),
 each table tensor must be present with its exact shape, and a quantised tensor is recognised by its
-dtype plus the presence of `<name>.scale`. Tensors outside `mtp.*`, `embed.weight`, `head.weight`
-belong to the backbone and are ignored.
+dtype plus the presence of its scale. The official scale of `<linear>.weight` is `<linear>.scale`
+(`mtp.0.main_proj.scale`), never `<linear>.weight.scale`; other conventions are rejected by name.
+`ffn.gate.bias_vl` exists exactly when the config has a vision tower (`cfg.vision`). Tensors outside
+`mtp.*`, `embed.weight`, `head.weight` belong to the backbone and are ignored.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ V41_TABLE: tuple[Entry, ...] = (
     Entry("blocks_{s}/attn/sink", "attn.attn_sink", "copy", "f32", "all", lambda c: (c.n_heads,)),
     Entry("blocks_{s}/ffn/gate/kernel", "ffn.gate.weight", "T", "bf16", "all", lambda c: (c.n_routed_experts, c.dim)),
     Entry("blocks_{s}/ffn/gate/bias", "ffn.gate.bias", "copy", "f32", "all", lambda c: (c.n_routed_experts,)),
-    Entry("blocks_{s}/ffn/gate/bias_vl", "ffn.gate.bias_vl", "copy", "f32", "all", lambda c: (c.n_routed_experts,)),
+    Entry("blocks_{s}/ffn/gate/bias_vl", "ffn.gate.bias_vl", "copy", "f32", "all", lambda c: (c.n_routed_experts,),
+          lambda c: c.vision),
     Entry("blocks_{s}/ffn/experts/w1", "ffn.experts.{e}.w1.weight", "T", "fp4", "all",
           lambda c: (c.moe_inter_dim, c.dim)),
     Entry("blocks_{s}/ffn/experts/w3", "ffn.experts.{e}.w3.weight", "T", "fp4", "all",
@@ -247,6 +250,24 @@ def check_table_against_draft(cfg: DSparkConfig) -> None:
 _FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
 
 
+scale_name = formats.scale_name  # `<linear>.weight` -> `<linear>.scale`
+
+# Scale names of other writers, as suffixes of the weight's name `<linear>.weight`: ours before issue 13
+# (`.weight.scale`), Hugging Face fp8 (`.weight_scale_inv`), compressed-tensors (`.weight_scale`).
+_FOREIGN_SCALE_SUFFIXES = (".scale", "_scale_inv", "_scale")
+
+# Why a table tensor may be absent from / unexpected in a checkpoint: named in the errors.
+_CONDITIONAL = {"ffn.gate.bias_vl": "exists only in models with a vision tower (config vision=True, "
+                                    "inference `vision_n_layers > 0` / HF `vision_config`)"}
+
+
+def _conditional_hint(name: str) -> str:
+    for k, why in _CONDITIONAL.items():
+        if name.endswith("." + k):
+            return f"; '{k}' {why}"
+    return ""
+
+
 @dataclasses.dataclass(frozen=True)
 class Source:
     name: str
@@ -255,19 +276,35 @@ class Source:
 
     @property
     def scale_name(self) -> str:
-        return self.name + ".scale"
+        return scale_name(self.name)
+
+
+def _check_scale_convention(reader: CheckpointReader, name: str) -> None:
+    """A scale spelled another way would otherwise surface as a vague missing / unexpected tensor."""
+    if not name.endswith(".weight"):
+        return
+    for suf in _FOREIGN_SCALE_SUFFIXES:
+        other = name + suf
+        if other in reader:
+            raise CheckpointError(
+                f"{reader.info(other).file}: tensor '{other}' found where the official layout has "
+                f"'{scale_name(name)}' (the scale of an F8_E4M3 or packed fp4 weight '<linear>.weight' is "
+                f"named '<linear>.scale'); rename the scales of this checkpoint")
 
 
 def detect(reader: CheckpointReader, name: str, shape: tuple[int, ...]) -> Source:
     """Storage of tensor `name` (expected logical checkpoint shape `shape`), validated."""
     if name not in reader:
-        raise CheckpointError(f"{reader.root}: missing tensor '{name}' (expected shape {list(shape)})")
+        raise CheckpointError(f"{reader.root}: missing tensor '{name}' (expected shape {list(shape)})"
+                              + _conditional_hint(name))
+    _check_scale_convention(reader, name)
     info = reader.info(name)
-    has_scale = (name + ".scale") in reader
+    sname = scale_name(name)
+    has_scale = name.endswith(".weight") and sname in reader
     where = f"{info.file}: tensor '{name}'"
     if info.dtype in _FLOAT_DTYPES:
         if has_scale:
-            raise CheckpointError(f"{where} is {info.dtype} but '{name}.scale' exists; only F8_E4M3 and "
+            raise CheckpointError(f"{where} is {info.dtype} but '{sname}' exists; only F8_E4M3 and "
                                   "packed fp4 (I8/U8/F4) weights carry a scale")
         if info.shape != shape:
             raise CheckpointError(f"{where}: shape {list(info.shape)}, expected {list(shape)}")
@@ -294,12 +331,12 @@ def detect(reader: CheckpointReader, name: str, shape: tuple[int, ...]) -> Sourc
         extra = f" (packed fp4 of logical shape {list(shape)})" if fmt == "fp4" and info.dtype != "F4" else ""
         raise CheckpointError(f"{where}: shape {list(info.shape)}, expected {list(stored)}{extra}")
     if not has_scale:
-        raise CheckpointError(f"{where} is {info.dtype} but its scale '{name}.scale' is missing")
-    sinfo = reader.info(name + ".scale")
+        raise CheckpointError(f"{where} is {info.dtype} but its scale '{sname}' is missing")
+    sinfo = reader.info(sname)
     if sinfo.dtype != "F8_E8M0":
-        raise CheckpointError(f"{sinfo.file}: tensor '{name}.scale': dtype {sinfo.dtype}, expected F8_E8M0")
+        raise CheckpointError(f"{sinfo.file}: tensor '{sname}': dtype {sinfo.dtype}, expected F8_E8M0")
     if sinfo.shape != tuple(sshape):
-        raise CheckpointError(f"{sinfo.file}: tensor '{name}.scale': shape {list(sinfo.shape)}, "
+        raise CheckpointError(f"{sinfo.file}: tensor '{sname}': shape {list(sinfo.shape)}, "
                               f"expected {list(sshape)} for {fmt} weight {list(shape)}")
     return Source(name, fmt, info.dtype)
 
@@ -349,8 +386,11 @@ def plan_sources(reader: CheckpointReader, cfg: DSparkConfig) -> list[tuple[Item
     extra = [n for n in reader.names if n.startswith(PREFIX + ".") and n not in known]
     if extra:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
-        raise CheckpointError(f"{reader.root}: unexpected tensor(s) for a {cfg.n_layers}-stage V4.1 draft with "
-                              f"{cfg.n_routed_experts} experts: {extra[:5]}{more}")
+        hint = next((h for h in map(_conditional_hint, extra) if h), "")
+        files = {reader.info(n).file for n in extra}
+        where = next(iter(files)) if len(files) == 1 else reader.root
+        raise CheckpointError(f"{where}: unexpected tensor(s) for a {cfg.n_layers}-stage V4.1 draft with "
+                              f"{cfg.n_routed_experts} experts (vision={cfg.vision}): {extra[:5]}{more}{hint}")
     return plan
 
 
@@ -416,13 +456,13 @@ class _Out:
 def _target_specs(o: _Out, fmt: str, fp4_dtype: str) -> list[TensorSpec]:
     if fmt == "fp8" and o.storage == "fp8":
         return [TensorSpec(o.name, "F8_E4M3", o.shape),
-                TensorSpec(o.name + ".scale", "F8_E8M0", formats.fp8_scale_shape(o.shape))]
+                TensorSpec(scale_name(o.name), "F8_E8M0", formats.fp8_scale_shape(o.shape))]
     if fmt == "fp8" and o.storage == "fp4":
         if o.shape[1] % 2:
             raise CheckpointError(f"tensor '{o.name}': fp4 export needs an even inner dimension, shape {list(o.shape)}")
         shp = o.shape if fp4_dtype == "F4" else (o.shape[0], o.shape[1] // 2)
         return [TensorSpec(o.name, fp4_dtype, shp),
-                TensorSpec(o.name + ".scale", "F8_E8M0", formats.fp4_scale_shape(o.shape))]
+                TensorSpec(scale_name(o.name), "F8_E8M0", formats.fp4_scale_shape(o.shape))]
     return [TensorSpec(o.name, "F32" if o.storage == "f32" else "BF16", o.shape)]
 
 
