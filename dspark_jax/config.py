@@ -17,7 +17,9 @@ experts from `dspark_n_routed_experts` and `dspark_num_experts_per_tok` / `dspar
 and the architecture keys the draft shares with the backbone (`_SHARED`; any spelling's name of them is
 read, and two names of one field must agree). `vision` is derived (inference `vision_n_layers > 0`, hf a
 non-empty `vision_config`); a foreign `temperature` is the backbone's sampling default and is ignored.
-Our numerics switches (`kv_fp8`, `act_fp8`, `param_dtype`, `compute_dtype`) are read in every spelling.
+Our numerics switches (`kv_fp8`, `act_fp8`, `param_dtype`, `compute_dtype`) are read in every spelling;
+in a foreign file without `act_fp8`, it follows the weight format the file declares (inference
+`dtype: "fp8"`, HF an fp8 `quantization_config`), as the official forward does.
 
 Unknown keys (in none of the documented key sets below):
   * ours: a ConfigError naming the key and the closest valid name (our files are written by us: a typo
@@ -346,7 +348,21 @@ def _read_fields(raw: dict[str, Any], spelling: str) -> tuple[dict[str, Any], di
             values[f.name], sources[f.name] = raw[backbone], backbone
     if spelling != "ours":
         values["vision"] = _has_vision(raw, spelling)
+        if "act_fp8" not in raw:
+            values["act_fp8"] = _fp8_weights(raw, spelling)
     return values, sources
+
+
+def _fp8_weights(raw: dict[str, Any], spelling: str) -> bool:
+    """Whether the file describes fp8/fp4 weights, for which the official forward quantizes the
+    activations before every fp8/fp4 GEMM (SPEC 3): inference `dtype: "fp8"`, HF an fp8
+    `quantization_config`. Our `act_fp8` then defaults to on, so the draft follows that forward."""
+    if spelling == "inference":
+        dtype = raw.get("dtype", "bf16")
+        check_field(dtype in ("bf16", "fp8"), "dtype", "'bf16' or 'fp8'", dtype)
+        return dtype == "fp8"
+    quant = raw.get("quantization_config")
+    return isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "fp8"
 
 
 def _has_vision(raw: dict[str, Any], spelling: str) -> bool:

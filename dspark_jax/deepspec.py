@@ -71,6 +71,7 @@ from dspark_jax.backbones.qwen3 import apply_rope_split_half
 from dspark_jax.checkpoint.trees import unflatten_paths
 from dspark_jax.config import ConfigError, check_field, is_int, is_number, read_json_config
 from dspark_jax.heads import markov_sample_loop
+from dspark_jax.nn.linear import linear, mixed_einsum
 from dspark_jax.nn.norm import rms_norm
 
 FAMILY = "qwen3"
@@ -368,8 +369,7 @@ def param_shardings(cfg: DeepSpecConfig, mesh) -> dict:
 
 def _dense(x: jax.Array, kernel: jax.Array, cd) -> jax.Array:
     """x @ kernel in the compute dtype with f32 accumulation (as `dspark_jax.nn.Linear`)."""
-    return jnp.einsum("...i,io->...o", x.astype(cd), kernel.astype(cd), preferred_element_type=jnp.float32
-                      ).astype(cd)
+    return linear(x, kernel, cd)
 
 
 def context_features(params: dict, cfg: DeepSpecConfig, main_hidden: jax.Array) -> jax.Array:
@@ -387,8 +387,8 @@ def context_kv(params: dict, cfg: DeepSpecConfig, main_hidden: jax.Array, positi
     c = context_features(params, cfg, main_hidden).astype(cd)
     b, t, _ = c.shape
     shape = (cfg.num_hidden_layers, b, t, cfg.num_key_value_heads, cfg.head_dim)
-    k = jnp.einsum("btd,lde->lbte", c, lp["k_proj"]["kernel"].astype(cd), preferred_element_type=jnp.float32)
-    v = jnp.einsum("btd,lde->lbte", c, lp["v_proj"]["kernel"].astype(cd), preferred_element_type=jnp.float32)
+    k = mixed_einsum("btd,lde->lbte", c, lp["k_proj"]["kernel"].astype(cd))
+    v = mixed_einsum("btd,lde->lbte", c, lp["v_proj"]["kernel"].astype(cd))
     k = rms_norm(k.astype(cd).reshape(shape), lp["k_norm"]["scale"][:, None, None, None, :], cfg.rms_norm_eps)
     k = apply_rope_split_half(k, positions[None, :, :, None], theta=cfg.rope_theta)
     return k, v.astype(cd).reshape(shape)

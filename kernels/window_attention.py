@@ -1,14 +1,14 @@
 """Window-only latent MQA with a per-head sink (SPEC 2.5): the draft block's attention core.
 
     o[b, k, h] = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink_h - m)),
-    s_j = <q[b, k, h], key_j> * scale (f32),  m = max(max_j s_j, sink_h)
+    s_j = <q[b, k, h], key_j> * scale (f32),  m = max_j s_j
 
 Keys = values = [the valid ring rows of request b ; its K draft rows]: ring slot i is valid iff
 i < min(W, ring_len[b]); every query sees every draft row (the block is bidirectional). RoPE, the fp8
 rounding of the KV rows and the inverse RoPE of o are the caller's; o comes back in q's dtype.
 
 Three entry points plus the dispatcher (see kernels/_common.py for `impl`):
-  window_attention_reference  pure jnp, f32 math; the definition the kernel is tested against.
+  window_attention_reference  pure jnp; the definition the kernel is tested against.
   window_attention_pallas     the Pallas kernel (Mosaic TPU; interpret=True runs it anywhere).
   window_attention            impl = "auto" | "pallas" | "xla".
 
@@ -27,11 +27,13 @@ halved (staying such a divisor) while the estimated per-step VMEM exceeds the bu
 fitting block are "unsupported": impl="auto" uses the reference and impl="pallas" raises.
 At V4.1-Flash (K=5, H=64, hd=512, W=128) TQ = 320: one grid step per request, ~3 MiB of VMEM.
 
-Numerics: scores and the softmax are f32. When q, ring and draft rows are all bf16 the score product
-runs on bf16 operands with f32 accumulation (bf16 x bf16 products are exact in f32, so this equals the
-f32 reference up to summation order) and the probability-value product splits p into bf16 hi + lo
-parts (two bf16 passes, relative error ~2^-17, far below the bf16 rounding of the output). Every other
-dtype combination runs both products in f32 at Precision.HIGHEST.
+Numerics (SPEC 2.9, shared by the reference and the kernel: `blocked_softmax_values`): f32 scores, an
+online softmax over consecutive blocks of 64 keys with running max and sum in f32, the sink in the final
+denominator. The keys are in the official order (`ring_key_rank`): ring rows oldest first, then the draft
+rows. When q, ring and draft rows are all bf16 (bf16 compute) the score product runs on bf16
+operands with f32 accumulation (exact products) and each block's probabilities are rounded to bf16
+before the value product, as the official forward does. Every other dtype combination runs both
+products in f32 at Precision.HIGHEST without rounding.
 """
 
 from __future__ import annotations
@@ -52,26 +54,86 @@ _NT = (((1,), (1,)), ((), ()))  # contract the last dims of both operands: x @ y
 _NN = (((1,), (0,)), ((), ()))
 
 
+KEY_BLOCK = 64  # the official forward's online softmax walks the keys in blocks of 64
+
+
+def ring_key_rank(slot: jax.Array, ring_len: jax.Array, window: int) -> jax.Array:
+    """Where ring slot `slot` stands in the official key order: oldest position first.
+
+    V4's window index list (`get_window_topk_idxs`) is the slots in chronological order, so a full ring
+    (ring_len >= W) starts at the slot after the newest row, (ring_len % W); a partial ring is slots
+    0 .. ring_len - 1 followed by its empty slots. The K draft rows come after all W places. The order
+    matters only through the 64-key blocks of the online softmax (`blocked_softmax_values`).
+    """
+    start = jnp.where(ring_len >= window, ring_len % window, 0)
+    d = slot - start  # in (-W, W): a select instead of a vector remainder keeps it simple for Mosaic
+    return jnp.where(d < 0, d + window, d)
+
+
+def blocked_softmax_values(segments, sink: jax.Array, dot, *, num_keys: int, round_probs: bool,
+                           block: int = KEY_BLOCK):
+    """The attention output sum_j p_j v_j / (sum_j p_j + exp(sink - m)) by the official online softmax.
+
+    `segments` = [(scores f32 [.., n_i] with -inf at masked keys, values [n_i, ..], rank), ...]; `rank`
+    (int, broadcasting against the scores) is each key's place in the official key order, 0 ..
+    num_keys - 1, and the keys are visited in consecutive blocks of `block` places. Per block: running
+    max m and running sum l in f32, the block's probabilities exp(s - m) rounded to bf16 when
+    `round_probs` (bf16 compute: the official code casts them before the value product) and multiplied
+    with the values by `dot(p, values)` (f32 accumulation); the running sum adds the unrounded ones. The
+    sink enters the final denominator only. Blocks are selected by masks, not gathers or slices, so the
+    same code runs inside a Mosaic kernel. `sink` broadcasts against the scores without their key axis.
+    """
+    first_s = segments[0][0]
+    m = jnp.full(first_s.shape[:-1] + (1,), -jnp.inf, jnp.float32)
+    l, acc = None, None
+    for b0 in range(0, num_keys, block):
+        parts = [(jnp.where((rank >= b0) & (rank < b0 + block), s, -jnp.inf), v) for s, v, rank in segments]
+        m_new = m
+        for s, _ in parts:
+            m_new = jnp.maximum(m_new, jnp.max(s, axis=-1, keepdims=True))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: keep everything at zero
+        alpha = jnp.exp(m - m_safe)
+        l = 0.0 if l is None else l * alpha
+        acc = 0.0 if acc is None else acc * alpha
+        for s, v in parts:
+            p = jnp.exp(s - m_safe)
+            l = l + jnp.sum(p, axis=-1, keepdims=True)
+            if round_probs:
+                p = p.astype(jnp.bfloat16)
+            acc = acc + dot(p, v)
+        m = m_new
+    return acc / (l + jnp.exp(sink - m))
+
+
 def window_attention_reference(q: jax.Array, ring_kv: jax.Array, ring_len: jax.Array, draft_kv: jax.Array,
                                sink: jax.Array, *, scale: float) -> jax.Array:
-    """q [B, K, H, hd], ring_kv [B, W, hd], ring_len i32[B], draft_kv [B, K, hd], sink f32[H] -> o [B, K, H, hd]."""
+    """q [B, K, H, hd], ring_kv [B, W, hd], ring_len i32[B], draft_kv [B, K, hd], sink f32[H] -> o [B, K, H, hd].
+
+    f32 scores and softmax; with q, ring and draft rows all bf16 (bf16 compute) the probabilities are
+    rounded to bf16 before the value product, as the official forward does (SPEC 2.9).
+    """
     _check_shapes(q, ring_kv, ring_len, draft_kv, sink)
     f32, hi = jnp.float32, lax.Precision.HIGHEST
-    b, k, _, _ = q.shape
-    w = ring_kv.shape[1]
-    n = jnp.clip(ring_len.astype(jnp.int32), 0, w)
+    k, w = q.shape[1], ring_kv.shape[1]
+    length = ring_len.astype(jnp.int32)
+    n = jnp.clip(length, 0, w)
     valid = jnp.arange(w)[None, :] < n[:, None]  # [B, W]
     # Unwritten ring slots may hold anything (even NaN): zero them so they cannot leak into o.
     ring = jnp.where(valid[..., None], ring_kv.astype(f32), 0.0)
-    keys = jnp.concatenate([ring, draft_kv.astype(f32)], axis=1)  # [B, W+K, hd], also the values
-    mask = jnp.concatenate([valid, jnp.ones((b, k), bool)], axis=1)  # [B, W+K]
-    s = jnp.einsum("bkhd,bjd->bkhj", q.astype(f32), keys, precision=hi) * scale
-    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
-    sink_ = sink.astype(f32)[None, None, :, None]
-    m = jnp.maximum(jnp.max(s, axis=-1, keepdims=True), sink_)
-    p = jnp.exp(s - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True) + jnp.exp(sink_ - m)
-    o = jnp.einsum("bkhj,bjd->bkhd", p, keys, precision=hi) / denom
+    draft = draft_kv.astype(f32)
+    qf = q.astype(f32)
+    s_ring = jnp.einsum("bkhd,bjd->bkhj", qf, ring, precision=hi) * scale
+    s_ring = jnp.where(valid[:, None, None, :], s_ring, -jnp.inf)
+    s_draft = jnp.einsum("bkhd,bjd->bkhj", qf, draft, precision=hi) * scale
+    ring_rank = ring_key_rank(jnp.arange(w)[None, :], length[:, None], w)[:, None, None, :]  # [B, 1, 1, W]
+    draft_rank = w + jnp.arange(k)
+
+    def dot(p, v):  # p [B, K, H, n] (bf16 or f32), v [B, n, hd] f32 holding bf16 or f32 values
+        return jnp.einsum("bkhj,bjd->bkhd", p.astype(f32), v, precision=hi)
+
+    o = blocked_softmax_values([(s_ring, ring, ring_rank), (s_draft, draft, draft_rank)],
+                               sink.astype(f32)[None, None, :, None], dot, num_keys=w + k,
+                               round_probs=_fast_path(q.dtype, ring_kv.dtype, draft_kv.dtype))
     return o.astype(q.dtype)
 
 
@@ -121,19 +183,17 @@ def plan_row_block(rows: int, hd: int, w: int, num_draft: int, q_dtype, kv_dtype
 def _kernel(len_ref, q_ref, ring_ref, draft_ref, sink_ref, o_ref, *, scale: float, num_draft: int, fast: bool):
     f32 = jnp.float32
     w = ring_ref.shape[0]
-    n = jnp.clip(len_ref[pl.program_id(0)], 0, w)
+    length = len_ref[pl.program_id(0)]
+    n = jnp.clip(length, 0, w)
     q, ring, draft = q_ref[...], ring_ref[...], draft_ref[...]
     ring = jnp.where(lax.broadcasted_iota(jnp.int32, ring.shape, 0) < n, ring, jnp.zeros_like(ring))
 
-    if fast:
+    if fast:  # bf16 operands, f32 accumulation: bf16 x bf16 products are exact in f32
         def scores(keys):
             return lax.dot_general(q, keys, _NT, preferred_element_type=f32)
 
-        def weighted(p, vals):  # p f32 = hi + lo, each exact in bf16 up to ~2^-17 relative
-            p_hi = p.astype(jnp.bfloat16)
-            p_lo = (p - p_hi.astype(f32)).astype(jnp.bfloat16)
-            return (lax.dot_general(p_hi, vals, _NN, preferred_element_type=f32)
-                    + lax.dot_general(p_lo, vals, _NN, preferred_element_type=f32))
+        def dot(p, vals):  # p is already bf16 (the official rounding of the probabilities)
+            return lax.dot_general(p, vals, _NN, preferred_element_type=f32)
     else:
         hi = lax.Precision.HIGHEST
         qf = q.astype(f32)
@@ -141,22 +201,18 @@ def _kernel(len_ref, q_ref, ring_ref, draft_ref, sink_ref, o_ref, *, scale: floa
         def scores(keys):
             return lax.dot_general(qf, keys.astype(f32), _NT, precision=hi, preferred_element_type=f32)
 
-        def weighted(p, vals):
+        def dot(p, vals):
             return lax.dot_general(p, vals.astype(f32), _NN, precision=hi, preferred_element_type=f32)
 
     s_ring = scores(ring) * scale  # [TQ, W]
-    s_draft = scores(draft) * scale  # [TQ, Kp]
+    s_draft = scores(draft) * scale  # [TQ, Kp]; the padding rows Kp > K are the segment's tail
     s_ring = jnp.where(lax.broadcasted_iota(jnp.int32, s_ring.shape, 1) < n, s_ring, -jnp.inf)
     s_draft = jnp.where(lax.broadcasted_iota(jnp.int32, s_draft.shape, 1) < num_draft, s_draft, -jnp.inf)
-    sink = sink_ref[...]  # [TQ, 1]
-    m = jnp.maximum(jnp.maximum(jnp.max(s_ring, axis=1, keepdims=True), jnp.max(s_draft, axis=1, keepdims=True)),
-                    sink)
-    p_ring = jnp.exp(s_ring - m)
-    p_draft = jnp.exp(s_draft - m)
-    denom = (jnp.sum(p_ring, axis=1, keepdims=True) + jnp.sum(p_draft, axis=1, keepdims=True)
-             + jnp.exp(sink - m))
-    o = weighted(p_ring, ring) + weighted(p_draft, draft)
-    o_ref[...] = (o / denom).astype(o_ref.dtype)
+    ring_rank = ring_key_rank(lax.broadcasted_iota(jnp.int32, s_ring.shape, 1), length, w)
+    draft_rank = w + lax.broadcasted_iota(jnp.int32, s_draft.shape, 1)  # padding columns: -inf, past W + K
+    o = blocked_softmax_values([(s_ring, ring, ring_rank), (s_draft, draft, draft_rank)], sink_ref[...], dot,
+                               num_keys=w + num_draft, round_probs=fast)
+    o_ref[...] = o.astype(o_ref.dtype)
 
 
 def window_attention_pallas(q: jax.Array, ring_kv: jax.Array, ring_len: jax.Array, draft_kv: jax.Array,

@@ -51,7 +51,7 @@ def test_hf_and_inference_spellings_load_to_the_same_config(tmp_path):
     (tmp_path / "inf.json").write_text(json.dumps(INFERENCE_STYLE))
     hf = DSparkConfig.from_json(tmp_path / "hf.json")
     inf = DSparkConfig.from_json(tmp_path / "inf.json")
-    assert hf == inf == DSparkConfig.from_json(FULL)
+    assert hf == inf == DSparkConfig.from_json(FULL).replace(vision=False, act_fp8=False)  # minimal: no vision, bf16
 
 
 @pytest.mark.parametrize("key,value,field", [
@@ -114,7 +114,9 @@ def test_real_flash_configs_load_to_the_spec_config():
         hf = DSparkConfig.from_json(HF_FULL)
         inf = DSparkConfig.from_json(INFERENCE_FULL)
     # The backbone's keys (43 layers, 384 experts, top-6, temperature, ...) did not leak into the draft.
-    assert hf == inf == DSparkConfig.from_json(FULL).replace(vision=True)
+    # The real model has a vision tower and fp8/fp4 weights: configs/deepseek_v41_flash.json says so too.
+    assert hf == inf == DSparkConfig.from_json(FULL)
+    assert hf.vision and hf.act_fp8
     assert DSparkConfig.from_dict(hf.to_dict()) == hf  # our spelling round-trips, `vision` included
     assert hf.to_dict()["vision"] is True and isinstance(hf.to_dict()["rope_theta"], float)
 
@@ -161,7 +163,7 @@ def test_text_only_and_vision_detection(tmp_path):
     text_hf = {k: v for k, v in hf.items() if k != "vision_config"}
     text_inf = dict(inf, vision_n_layers=0)
     assert _load(text_hf, tmp_path).vision is False
-    assert _load(text_inf, tmp_path) == DSparkConfig.from_json(FULL)  # vision false: exactly our Flash config
+    assert _load(text_inf, tmp_path) == DSparkConfig.from_json(FULL).replace(vision=False)
     assert _load(dict(hf, vision_config=None), tmp_path).vision is False
     assert _load(dict(hf, vision_config={}), tmp_path).vision is False
     assert _load(dict(hf, vision_config={**hf["vision_config"], "num_hidden_layers": 0}), tmp_path).vision is False
@@ -292,3 +294,15 @@ def test_spelling_detection():
     assert _spelling({"text_config": {}}) == "hf"
     assert _spelling({"n_mtp_layers": 2, "model_type": "x"}) == "hf"
     assert _spelling(_fixture(HF_FULL)) == "hf" and _spelling(_fixture(INFERENCE_FULL)) == "inference"
+
+
+def test_act_fp8_follows_the_declared_weight_format(tmp_path):
+    """The official forward quantizes activations before fp8/fp4 GEMMs exactly when the model's weights
+    are fp8 (inference `dtype`, HF `quantization_config`); an explicit `act_fp8` key wins."""
+    hf, inf = _fixture(HF_FULL), _fixture(INFERENCE_FULL)
+    assert _load(inf, tmp_path).act_fp8 and _load(hf, tmp_path).act_fp8
+    assert not _load(dict(inf, dtype="bf16"), tmp_path).act_fp8
+    assert not _load({k: v for k, v in hf.items() if k != "quantization_config"}, tmp_path).act_fp8
+    assert not _load(dict(inf, act_fp8=False), tmp_path).act_fp8
+    with pytest.raises(ConfigError, match="'dtype'"):
+        _load(dict(inf, dtype="fp16"), tmp_path)

@@ -40,7 +40,7 @@ from dspark_jax.backbones.base import (Backbone, BackboneOutput, as_dtype, cache
                                        query_positions, record_taps, taps_to_features, write_rows)
 from dspark_jax.checkpoint.safetensors_io import CheckpointError, open_checkpoint
 from dspark_jax.config import ConfigError, check_field, is_number, read_json_config
-from dspark_jax.nn.linear import Linear
+from dspark_jax.nn.linear import Linear, mixed_einsum
 from dspark_jax.nn.norm import RMSNorm, rms_norm
 from dspark_jax.nn.params import param
 from dspark_jax.nn.rope import rope_frequencies
@@ -277,7 +277,7 @@ class _Qwen3(nn.Module):
         else:
             head = param(self, "lm_head", nn.initializers.normal(c.hidden_size ** -0.5),
                          (c.vocab_size, c.hidden_size), c.param_dtype, ("vocab", "embed"))
-        logits = jnp.einsum("btd,vd->btv", x, head.astype(cd), preferred_element_type=jnp.float32)
+        logits = mixed_einsum("btd,vd->btv", x, head.astype(cd))
         return logits, taps, k_cache, v_cache
 
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.kernels.window_attention import window_attention
-from dspark_jax.nn.linear import Linear
+from dspark_jax.nn.linear import Linear, mixed_einsum
 from dspark_jax.nn.norm import RMSNorm
 from dspark_jax.nn.params import fan_in_normal, param
 from dspark_jax.nn.quant import fp8_quant_dequant
@@ -24,7 +24,7 @@ def grouped_out_proj(o: jax.Array, wo_a: jax.Array, compute_dtype) -> jax.Array:
     """o [.., H*hd] -> [.., G*Ol]: each of the G contiguous groups of H*hd/G values has its own map."""
     g = wo_a.shape[0]
     og = o.reshape(*o.shape[:-1], g, o.shape[-1] // g).astype(compute_dtype)
-    y = jnp.einsum("...gi,gio->...go", og, wo_a.astype(compute_dtype), preferred_element_type=jnp.float32)
+    y = mixed_einsum("...gi,gio->...go", og, wo_a.astype(compute_dtype))  # bf16 out per group (SPEC 2.9)
     return y.reshape(*o.shape[:-1], -1).astype(compute_dtype)
 
 

@@ -1,4 +1,5 @@
-"""A bias-free linear layer, kernel [in, out], with the optional official activation fp8 emulation."""
+"""A bias-free linear layer, kernel [in, out], with the optional official activation fp8 emulation,
+and the mixed-precision product every bf16 matmul of the models goes through."""
 
 from __future__ import annotations
 
@@ -8,6 +9,40 @@ import jax.numpy as jnp
 
 from dspark_jax.nn.params import fan_in_normal, param
 from dspark_jax.nn.quant import fp8_quant_dequant
+
+
+def mixed_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """einsum with f32 accumulation and an f32 result, operands in their own dtype (bf16 or f32).
+
+    This is the official forward's "bf16 x bf16 accumulated in f32". XLA:CPU has no BF16 x BF16 = F32
+    dot, so on CPU the operands are widened to f32 first: a product of two bf16 numbers is exact in f32,
+    so the result is the same math. TPU and GPU keep bf16 operands. The choice is made when lowering
+    (`lax.platform_dependent`), so `jax.export(..., platforms=["tpu"])` from a CPU host gets the bf16 dot.
+    """
+    f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
+    if a.dtype == f32 and b.dtype == f32:
+        return jnp.einsum(spec, a, b, precision=hi)
+
+    def widened(a, b):
+        return jnp.einsum(spec, a.astype(f32), b.astype(f32), precision=hi)
+
+    def native(a, b):
+        return jnp.einsum(spec, a, b, preferred_element_type=f32)
+
+    return jax.lax.platform_dependent(a, b, cpu=widened, default=native)
+
+
+def linear(x: jax.Array, kernel: jax.Array, compute_dtype, act_fp8: bool = False) -> jax.Array:
+    """x [.., in] @ kernel [in, out] -> [.., out] in `compute_dtype`: f32 accumulation, one rounding of
+    the output (SPEC 2.9: every linear returns bf16 in bf16 compute). `act_fp8` first rounds the input
+    to E4M3 per 32 values along `in`, as the official fp8 GEMMs do; the fp8 values and their power-of-two
+    scales are exact in bf16, so the widened product equals the blockwise fp8 GEMM up to f32 summation
+    order."""
+    cd = jnp.dtype(compute_dtype)
+    x = x.astype(cd)
+    if act_fp8:
+        x = fp8_quant_dequant(x)
+    return mixed_einsum("...i,io->...o", x, kernel.astype(cd)).astype(cd)
 
 
 class Linear(nn.Module):
@@ -22,8 +57,4 @@ class Linear(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = param(self, "kernel", fan_in_normal(self.in_dim), (self.in_dim, self.out_dim),
                        self.param_dtype, self.axes)
-        if self.act_fp8:
-            x = fp8_quant_dequant(x)
-        cd = jnp.dtype(self.compute_dtype)
-        y = jnp.einsum("...i,io->...o", x.astype(cd), kernel.astype(cd), preferred_element_type=jnp.float32)
-        return y.astype(cd)
+        return linear(x, kernel, self.compute_dtype, self.act_fp8)

@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.nn.linear import mixed_einsum
 from dspark_jax.nn.params import fan_in_normal, param
 from dspark_jax.nn.quant import fp8_quant_dequant
 
@@ -58,35 +59,51 @@ def _act(x, act_fp8):
     return fp8_quant_dequant(x) if act_fp8 else x
 
 
+def _expert_hidden(x: jax.Array, w1: jax.Array, w3: jax.Array, spec: str, limit: float, act_fp8: bool) -> jax.Array:
+    """swiglu(w1 x, w3 x) in f32 from the bf16 outputs of the two linears (SPEC 2.9)."""
+    cd = w1.dtype
+    xa = _act(x.astype(cd), act_fp8)
+    g = mixed_einsum(spec, xa, w1).astype(cd)
+    u = mixed_einsum(spec, xa, w3).astype(cd)
+    return clamped_swiglu(g, u, limit)
+
+
 def swiglu_mlp(x: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array, *, limit: float,
                weight: jax.Array | None = None, act_fp8: bool = False) -> jax.Array:
-    """One expert (or the shared expert): w2(weight * swiglu(w1 x, w3 x)); f32 result."""
+    """One expert (or the shared expert): w2(weight * swiglu(w1 x, w3 x)), in the weights' dtype.
+
+    The official rounding points: bf16 outputs of w1 and w3, the clamps, silu, product and routing
+    weight in f32, one cast to bf16 (then fp8 in fp8 mode) before w2, a bf16 output.
+    """
     cd = w1.dtype
-    xa = _act(x, act_fp8).astype(cd)
-    g = jnp.einsum("...d,di->...i", xa, w1, preferred_element_type=jnp.float32)
-    u = jnp.einsum("...d,di->...i", xa, w3, preferred_element_type=jnp.float32)
-    h = clamped_swiglu(g, u, limit)
+    h = _expert_hidden(x, w1, w3, "...d,di->...i", limit, act_fp8)
     if weight is not None:  # routing weight is applied BEFORE w2, as the reference does
         h = h * weight[..., None]
-    h = _act(h, act_fp8).astype(cd)
-    return jnp.einsum("...i,id->...d", h, w2, preferred_element_type=jnp.float32)
+    h = _act(h.astype(cd), act_fp8)
+    return mixed_einsum("...i,id->...d", h, w2).astype(cd)
 
 
 def moe_ffn(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: dict, shared: dict | None, *,
             limit: float, act_fp8: bool = False) -> jax.Array:
-    """x [N, D], routing (weights, idx) [N, k], experts {w1,w3: [E, D, I], w2: [E, I, D]} -> f32 [N, D]."""
+    """x [N, D], routing (weights, idx) [N, k], experts {w1,w3: [E, D, I], w2: [E, I, D]} -> [N, D] in the
+    experts' dtype.
+
+    Every expert runs on every token; experts a token did not pick get routing weight 0, so their output
+    is exactly 0. Each expert's output is rounded to the compute dtype on its own and the outputs are
+    summed in f32 (the official MoE's accumulator: routed experts in ascending index, then the shared
+    expert), then rounded once more. Summing inside the w2 contraction instead would skip the per-expert
+    rounding, which at bf16 is a different model (SPEC 2.9).
+    """
     n_experts = experts["w1"].shape[0]
     combine = jnp.sum(jax.nn.one_hot(idx, n_experts, dtype=jnp.float32) * weights[..., None], axis=-2)  # [N, E]
     cd = experts["w1"].dtype
-    xa = _act(x, act_fp8).astype(cd)
-    g = jnp.einsum("nd,edi->nei", xa, experts["w1"], preferred_element_type=jnp.float32)
-    u = jnp.einsum("nd,edi->nei", xa, experts["w3"], preferred_element_type=jnp.float32)
-    h = clamped_swiglu(g, u, limit) * combine[..., None]
-    h = _act(h, act_fp8).astype(cd)
-    y = jnp.einsum("nei,eid->nd", h, experts["w2"], preferred_element_type=jnp.float32)
+    h = _expert_hidden(x, experts["w1"], experts["w3"], "nd,edi->nei", limit, act_fp8) * combine[..., None]
+    h = _act(h.astype(cd), act_fp8)
+    per_expert = mixed_einsum("nei,eid->ned", h, experts["w2"]).astype(cd)  # [N, E, D]
+    y = jnp.sum(per_expert.astype(jnp.float32), axis=1)
     if shared is not None:
-        y = y + swiglu_mlp(x, shared["w1"], shared["w3"], shared["w2"], limit=limit, act_fp8=act_fp8)
-    return y
+        y = y + swiglu_mlp(x, shared["w1"], shared["w3"], shared["w2"], limit=limit, act_fp8=act_fp8).astype(jnp.float32)
+    return y.astype(cd)
 
 
 class MoE(nn.Module):
@@ -102,10 +119,11 @@ class MoE(nn.Module):
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     act_fp8: bool = False
+    vision: bool = False  # the router has `bias_vl` (models with a vision tower)
 
     def setup(self):
         d, e, i = self.dim, self.n_experts, self.inter_dim
-        self.gate = _Gate(d, e, self.param_dtype)
+        self.gate = _Gate(d, e, self.param_dtype, self.vision)
         self.experts = _SwiGLUWeights(d, i, e, self.param_dtype)
         if self.n_shared:
             self.shared = _SwiGLUWeights(d, self.n_shared * i, 0, self.param_dtype)
@@ -127,6 +145,7 @@ class _Gate(nn.Module):
     dim: int
     n_experts: int
     param_dtype: str
+    vision: bool = False
 
     @nn.compact
     def __call__(self):
@@ -134,7 +153,8 @@ class _Gate(nn.Module):
                        ("embed", "expert_gate"))
         bias = param(self, "bias", nn.initializers.zeros, (self.n_experts,), "float32", ("expert_gate",))
         # In the checkpoint, unused by drafts; kept so an export round-trips every tensor.
-        param(self, "bias_vl", nn.initializers.zeros, (self.n_experts,), "float32", ("expert_gate",))
+        if self.vision:  # only models with a vision tower have it; unused by drafts, kept to round-trip
+            param(self, "bias_vl", nn.initializers.zeros, (self.n_experts,), "float32", ("expert_gate",))
         return kernel, bias
 
 

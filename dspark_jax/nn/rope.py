@@ -1,7 +1,7 @@
 """Rotary position embedding on the trailing `rope_dim` dims, interleaved-pair (complex) convention.
 
 Pairs (x[2i], x[2i+1]) of the rotated part are complex numbers multiplied by exp(i * pos * f_i),
-f_i = theta^(-2i / rope_dim). Frequencies and angles stay in f32: positions reach 1e5+ and bf16
+f_i = 1 / theta^(2i / rope_dim). Frequencies and angles stay in f32: positions reach 1e5+ and bf16
 angles would be off by whole radians.
 """
 
@@ -12,7 +12,10 @@ import jax.numpy as jnp
 
 
 def rope_frequencies(rope_dim: int, theta: float) -> jax.Array:
-    return jnp.asarray(theta, jnp.float32) ** (-jnp.arange(0, rope_dim, 2, dtype=jnp.float32) / rope_dim)
+    """f_i = 1 / theta^(2i / rope_dim) in f32, computed as the official V4.1 code (and Hugging Face's
+    Qwen3) compute it: a reciprocal of a power, which differs from theta^(-2i / rope_dim) in the last bit."""
+    exponents = jnp.arange(0, rope_dim, 2, dtype=jnp.float32) / rope_dim
+    return 1.0 / (jnp.asarray(theta, jnp.float32) ** exponents)
 
 
 def apply_rope_interleaved(x: jax.Array, positions: jax.Array, *, theta: float, rope_dim: int,
