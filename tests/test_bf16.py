@@ -167,3 +167,26 @@ def test_spec_round_at_bf16_emits_the_backbone_argmax(name):
         near_ties += int(differ.sum())
     assert near_ties <= 0.05 * sum(len(g) for g in got), near_ties
     assert accepted[1:].sum() > 0 and accepted[k] > 0, accepted  # drafts were accepted, some in full
+
+
+@pytest.mark.slow
+def test_training_runs_at_bf16(tmp_path):
+    """`dspark train` of the tiny run config with bf16 draft activations (the recipe's compute dtype)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    text = (CONFIGS / "train_tiny.yaml").read_text().replace("compute_dtype: float32", "compute_dtype: bfloat16")
+    for rel in ("tiny_mhc_backbone.json", "tiny_v41.json", "../tests/data/tiny_train.jsonl"):
+        text = text.replace(rel, str((CONFIGS / rel).resolve()))
+    assert "compute_dtype: bfloat16" in text
+    (tmp_path / "run.yaml").write_text(text)
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-m", "dspark_jax", "train", "--config", str(tmp_path / "run.yaml"),
+                        "--run-dir", str(run_dir), "--no-progress", "--steps", "3"],
+                       env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert recs[-1]["step"] == 3 and all(np.isfinite(rec["loss"]) for rec in recs)
