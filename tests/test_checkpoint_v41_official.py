@@ -3,7 +3,7 @@ strictly and exactly; other scale spellings are named errors; `ffn.gate.bias_vl`
 export -> load -> export is byte-identical.
 
 Expected values come from the writer's own codes (decoded in float64 by the writer), and our tree is
-spelled out again from docs/params.md here, so neither the V4.1 table nor `checkpoint.formats` is
+spelled out from docs/params.md (`test_checkpoint.expected_tree`), so neither the V4.1 table nor `checkpoint.formats` is
 its own oracle.
 """
 
@@ -18,6 +18,7 @@ import pytest
 from official_writer import (
     dequantize_official, official_v41_tensors, quantize_fp8_block32, write_safetensors, write_sharded,
 )
+from test_checkpoint import expected_tree  # docs/params.md spelled out once, for both files
 
 from dspark_jax.checkpoint import v41
 from dspark_jax.checkpoint.safetensors_io import CheckpointError, open_checkpoint
@@ -32,41 +33,6 @@ BACKBONE = {"layers.0.attn.wq_a.weight": np.zeros((4, 4), ml_dtypes.bfloat16),  
 
 def cfg_for(vision: bool) -> DSparkConfig:
     return TINY.replace(vision=vision)
-
-
-def expected_tree(vals: dict, cfg: DSparkConfig) -> dict:
-    """docs/params.md: our path -> the checkpoint value in our layout (kernels [in, out])."""
-    G, Ol, last = cfg.o_groups, cfg.o_lora_rank, cfg.n_layers - 1
-    t = {("main_proj", "kernel"): vals["mtp.0.main_proj.weight"].T,
-         ("main_norm", "scale"): vals["mtp.0.main_norm.weight"]}
-    for s in range(cfg.n_layers):
-        p, b = f"mtp.{s}.", f"blocks_{s}"
-        t[(b, "attn_norm", "scale")] = vals[p + "attn_norm.weight"]
-        t[(b, "ffn_norm", "scale")] = vals[p + "ffn_norm.weight"]
-        for sub in ("attn", "ffn"):
-            for leaf in ("fn", "base", "scale"):
-                t[(b, f"hc_{sub}", leaf)] = vals[p + f"hc_{sub}_{leaf}"]
-        for w in ("wq_a", "wq_b", "wkv", "wo_b"):
-            t[(b, "attn", w, "kernel")] = vals[p + f"attn.{w}.weight"].T
-        wo_a = vals[p + "attn.wo_a.weight"]  # [G*Ol, H*hd/G] -> [G, H*hd/G, Ol]
-        t[(b, "attn", "wo_a", "kernel")] = np.stack([wo_a[g * Ol:(g + 1) * Ol].T for g in range(G)])
-        t[(b, "attn", "q_norm", "scale")] = vals[p + "attn.q_norm.weight"]
-        t[(b, "attn", "kv_norm", "scale")] = vals[p + "attn.kv_norm.weight"]
-        t[(b, "attn", "sink")] = vals[p + "attn.attn_sink"]
-        t[(b, "ffn", "gate", "kernel")] = vals[p + "ffn.gate.weight"].T
-        t[(b, "ffn", "gate", "bias")] = vals[p + "ffn.gate.bias"]
-        if cfg.vision:
-            t[(b, "ffn", "gate", "bias_vl")] = vals[p + "ffn.gate.bias_vl"]
-        for w in ("w1", "w2", "w3"):
-            t[(b, "ffn", "experts", w)] = np.stack([vals[p + f"ffn.experts.{e}.{w}.weight"].T
-                                                    for e in range(cfg.n_routed_experts)])
-            t[(b, "ffn", "shared", w)] = vals[p + f"ffn.shared_experts.{w}.weight"].T
-    p = f"mtp.{last}."
-    t[("norm", "scale")] = vals[p + "norm.weight"]
-    t[("markov", "embed")] = vals[p + "markov_head.embed.weight"]
-    t[("markov", "head")] = vals[p + "markov_head.head.weight"]
-    t[("confidence", "kernel")] = vals[p + "confidence_head.proj.weight"][0]
-    return t
 
 
 def flat(tree, prefix=()):
