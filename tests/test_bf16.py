@@ -131,6 +131,7 @@ def _teacher_forced(model, weights, prompt: list[int], generated: list[int]):
     return logits.argmax(-1), top2[:, 1] - top2[:, 0]
 
 
+@pytest.mark.slow  # ~1.5 min of compiles per family on 2 cores: in the slow CI step
 @pytest.mark.parametrize("name", ["mhc", "qwen3"])
 def test_spec_round_at_bf16_emits_the_backbone_argmax(name):
     """Greedy speculation emits, at every position, the backbone's argmax given the tokens before it.
