@@ -88,8 +88,10 @@ def init_state(model: SpecModel, batch: int, max_len: int) -> RoundState:
                       jnp.zeros((batch,), jnp.int32), jnp.zeros((2, batch, k), jnp.float32))
 
 
-def _forward(model: SpecModel, params, cache, tokens):
-    return model.backbone.forward(params, cache, tokens, taps=model.cfg.target_layer_ids, tap_mode=model.tap_mode)
+def backbone_forward(model: SpecModel, params, cache, tokens, logits_at=None):
+    """The backbone forward with the taps the draft reads."""
+    return model.backbone.forward(params, cache, tokens, taps=model.cfg.target_layer_ids, tap_mode=model.tap_mode,
+                                  logits_at=logits_at)
 
 
 def start(model: SpecModel, weights: Weights, state: RoundState, prompt: jax.Array, prompt_len: jax.Array,
@@ -99,7 +101,7 @@ def start(model: SpecModel, weights: Weights, state: RoundState, prompt: jax.Arr
     visible)."""
     cache = state.cache._replace(length=jnp.where(joining, 0, state.cache.length))
     dstate = draft_lib.reset_rows(state.draft, joining)
-    out = _forward(model, weights.backbone, cache, prompt)
+    out = backbone_forward(model, weights.backbone, cache, prompt)
     n = jnp.where(joining, prompt_len, 0).astype(jnp.int32)
     cache = model.backbone.commit(out.cache, n)
     dstate = draft_lib.ingest(weights.draft, model.cfg, dstate, out.taps, n, impl=model.impl)
@@ -154,7 +156,7 @@ def spec_round(model: SpecModel, weights: Weights, state: RoundState, params: sa
     lengths = jnp.where(active, jnp.clip(lengths, 0, cap), 0)
 
     verify_tokens = jnp.concatenate([state.anchor[:, None], out.tokens], axis=1)[:, :width]
-    bo = _forward(model, weights.backbone, state.cache, verify_tokens)
+    bo = backbone_forward(model, weights.backbone, state.cache, verify_tokens)
     target = jnp.pad(bo.logits, ((0, 0), (0, k + 1 - width), (0, 0)))  # rows >= width are never read
     res = verify_and_accept(target, out.tokens, out.logits, lengths, params, seeds, length + 1)
 

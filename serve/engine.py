@@ -1,43 +1,57 @@
-"""The serving engine: request slots, continuous batching, bucketed jitted rounds, metrics.
+"""The serving engine: a device-resident decode loop that dispatches ahead and reads back a round late.
 
     engine = Engine(model, weights, EngineConfig(max_slots=8, max_len=512, mode="async"), cost_table=table)
-    results = engine.generate([Request(prompt=[...], max_tokens=64, temperature=0.7, seed=1), ...])
+    rid = engine.submit(Request(prompt=[...], max_tokens=64, temperature=0.7, seed=1))
+    for event in engine.stream():          # or: events = engine.step(), until engine.idle
+        ...                                # Event(id, request_id, tokens (new ones), finish_reason)
+    engine.cancel(rid)
+    results = engine.generate([Request(...), ...])   # a convenience on top: submit all, drain, collect
 
-Requests join free slots between rounds and leave when they hit max_tokens, a stop token or the
-cache end. A bad request (empty prompt, token out of range, prompt longer than the cache, bad
-sampling params) is answered with an error Result naming what is wrong; the others are served.
+State (`serve/decode_state.py`) lives on the device: backbone cache, draft state, anchors, confidence
+lag and, per slot, sampling parameters, seed, token budget, stop ids and whether it still runs. Donated
+jitted programs change it: admit (prefill only the joining rows), a speculative round or a plain step
+(each with the stop / max_tokens / cache-end checks on device), evict (cancel). The host writes a slot
+only when a request joins or is cancelled.
 
-Compiled sizes are chosen on the host before each round: prompts are padded to a power-of-two bucket,
-and the verify forward's width (1 + the most drafts any row may verify) follows the mode:
-  * "off":   every draft verified (width K+1);  "fixed": `num_verify` drafts (width 1+num_verify);
-  * "sync":  Algorithm 1 inside the round (width K+1: the host cannot know the lengths beforehand);
-  * "async": capacity C from the confidences of two rounds ago, known on the host before the round
-             (width 1 + min(K, C)), admission by current survival inside the round;
-  * "plain": no draft at all, plain autoregressive decoding (the baseline).
+Overlap: each `step()` dispatches the next program before it reads the previous one's output (copied
+to the host asynchronously), so the device always has queued work while the host does its
+bookkeeping; a finish is seen by the host one round late, but the device stopped the row in the round
+it finished. The host frees a slot early when the row is certain to have finished (its budget or the
+cache end is reached even if every in-flight round emits only one token), so plain decoding and
+max_tokens finishes cost no lag round.
+
+The verify forward's width (static) is chosen on the host from what it knows, an upper bound of each
+row's cap that the device then clips exactly:
+  * "off":   every draft verified;  "fixed": `num_verify` drafts;
+  * "sync":  Algorithm 1 inside the round (width 1 + the largest cap: the lengths are unknown beforehand);
+  * "async": capacity C from the confidences two rounds back, computed on device and read back with the
+             lag (width 1 + min(K, C)); when C = 0 the engine runs the plain step program instead (no
+             draft at all) and probes with a speculative round after 2, 4, .. 64 plain steps;
+  * "plain": plain autoregressive decoding through the same loop (the baseline).
+A bad request (empty prompt, token out of range, prompt longer than the cache, bad sampling params) is
+refused by `submit` with a ValueError naming what is wrong (`generate` turns it into an error Result);
+nothing else is affected.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import time
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
 from dspark_jax import sampling
 from dspark_jax import spec_round as sr
-from dspark_jax.schedule import CostTable, async_capacity
+from dspark_jax.schedule import CostTable
+from dspark_jax.serve import decode_state as ds
 
 MODES = ("off", "fixed", "sync", "async", "plain")
-
-# Module-level so every Engine over the same (hashable) SpecModel shares compiled programs.
-_START = jax.jit(sr.start, static_argnums=0)
-_ROUND = jax.jit(sr.spec_round, static_argnums=0, static_argnames=("width", "mode", "filtering"))
-_PLAIN = jax.jit(sr.plain_step, static_argnums=0)
-_CAPACITY = jax.jit(async_capacity)
+_MAX_PROBE_INTERVAL = 64
 
 
 @dataclasses.dataclass
@@ -56,10 +70,22 @@ class Request:
 class Result:
     id: str | int | None
     tokens: list[int]
-    finish_reason: str  # "stop" | "length" | "error"
+    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
     error: str | None = None
     rounds: int = 0
     accepted: int = 0  # accepted draft tokens
+
+
+@dataclasses.dataclass
+class Event:
+    """What happened to one request in one `step()`: new tokens and/or its finish."""
+
+    id: int  # the engine's id (from submit)
+    request_id: Any  # Request.id
+    tokens: list[int]
+    finish_reason: str | None = None  # None while it runs
+    error: str | None = None
+    result: Result | None = None  # with the finish: the whole request's Result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,14 +96,18 @@ class EngineConfig:
     num_verify: int | None = None  # for mode "fixed"
     min_gain: float = 0.0
     min_prompt_bucket: int = 16
+    max_stop_tokens: int = 8
     progress: bool = True
     profile_on_start: bool = False  # sync/async without a table: measure one at start-up (slow)
+    record_rounds: bool = False  # keep calibration records (raw confidence logits per verified row-round)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"engine 'mode': expected one of {MODES}, got {self.mode!r}")
         if self.max_slots < 1 or self.max_len < 2:
             raise ValueError(f"engine needs max_slots >= 1 and max_len >= 2, got {self.max_slots}, {self.max_len}")
+        if self.max_stop_tokens < 1:
+            raise ValueError(f"engine 'max_stop_tokens': expected >= 1, got {self.max_stop_tokens}")
 
 
 @dataclasses.dataclass
@@ -86,10 +116,13 @@ class Metrics:
 
     block_size: int
     rounds: int = 0  # jitted rounds
+    spec_rounds: int = 0  # of which speculative (the rest: plain steps)
     request_rounds: int = 0
     emitted: int = 0  # tokens emitted by rounds (tau counts these)
+    verified: int = 0  # drafts verified (sum of l_r)
     first_tokens: int = 0  # tokens sampled right after prefill
     wall_s: float = 0.0
+    host_s: float = 0.0  # host time inside step() not spent waiting for the device
     verified_at: np.ndarray = None  # rounds that verified position k with 1..k-1 accepted
     accepted_at: np.ndarray = None
 
@@ -97,10 +130,13 @@ class Metrics:
         self.verified_at = np.zeros(self.block_size, np.int64)
         self.accepted_at = np.zeros(self.block_size, np.int64)
 
-    def record(self, num_verify: np.ndarray, num_accepted: np.ndarray, num_emitted: np.ndarray, active):
+    def record(self, num_verify: np.ndarray, num_accepted: np.ndarray, num_emitted: np.ndarray, active,
+               speculative: bool = True):
         self.rounds += 1
+        self.spec_rounds += int(speculative)
         self.request_rounds += int(active.sum())
         self.emitted += int(num_emitted[active].sum())
+        self.verified += int(num_verify[active].sum())
         for k in range(1, self.block_size + 1):
             reached = active & (num_verify >= k) & (num_accepted >= k - 1)
             self.verified_at[k - 1] += int(reached.sum())
@@ -109,6 +145,11 @@ class Metrics:
     @property
     def tau(self) -> float:
         return self.emitted / max(self.request_rounds, 1)
+
+    @property
+    def mean_verify(self) -> float:
+        """Drafts verified per request-round."""
+        return self.verified / max(self.request_rounds, 1)
 
     @property
     def acceptance(self) -> np.ndarray:
@@ -125,18 +166,29 @@ class Metrics:
 
     def summary(self) -> dict:
         return {"tau": self.tau, "acceptance": [None if np.isnan(a) else float(a) for a in self.acceptance],
-                "tokens_per_s": self.tokens_per_s, "rounds": self.rounds, "emitted": self.emitted,
-                "tokens": self.tokens,
+                "tokens_per_s": self.tokens_per_s, "rounds": self.rounds, "spec_rounds": self.spec_rounds,
+                "emitted": self.emitted, "tokens": self.tokens, "mean_verify": self.mean_verify,
                 "wall_s": self.wall_s}
 
 
 @dataclasses.dataclass
-class _Slot:
-    index: int
+class _Live:
+    """Host bookkeeping of a request in a slot (what the host has READ so far, plus in-flight counts)."""
+
+    id: int
     request: Request
     result: Result
-    length: int  # committed positions (prompt + emitted - 1)
-    request_index: int = -1
+    slot: int
+    length: int  # committed positions read so far (prompt + tokens - 1)
+    in_flight: int = 0  # dispatched programs whose output is not read yet (each emits >= 1 token if running)
+
+
+@dataclasses.dataclass
+class _Pending:
+    kind: str  # "admit" | "spec" | "plain"
+    delta: ds.Delta
+    owners: tuple  # engine id per slot at dispatch (None = free)
+    emitting: frozenset  # engine ids counted in their _Live.in_flight
 
 
 class Engine:
@@ -149,7 +201,8 @@ class Engine:
                                             progress=config.progress)
         if config.mode in ("sync", "async") and cost_table is None:
             raise ValueError(f"engine mode {config.mode!r} schedules against a measured cost table; none was "
-                             "given. Measure one with `dspark profile`, set EngineConfig(profile_on_start=True), or use mode 'off'.")
+                             "given. Measure one with `dspark profile`, set EngineConfig(profile_on_start=True), "
+                             "or use mode 'off'.")
         if config.mode == "fixed" and not (config.num_verify is not None
                                            and 0 <= config.num_verify <= model.block_size):
             raise ValueError(f"engine mode 'fixed' needs num_verify in [0, {model.block_size}], "
@@ -157,12 +210,22 @@ class Engine:
         self.model, self.weights, self.config, self.cost_table = model, weights, config, cost_table
         self.k = model.block_size
         self.vocab = model.backbone.vocab_size
-        self._start, self._round, self._plain, self._capacity = _START, _ROUND, _PLAIN, _CAPACITY
         self.metrics = Metrics(self.k)
+        self.records = _empty_records()
         # Compiled verify widths: powers of two below K+1, and K+1 (few compiles, little padding).
         self.width_buckets = sorted({1 << i for i in range(self.k.bit_length()) if 1 << i <= self.k} | {self.k + 1})
+        self._state = None  # allocated on first use (the cache can be large)
+        self._ids = itertools.count()
+        self._queue: collections.deque[tuple[int, Request]] = collections.deque()
+        self._live: dict[int, _Live] = {}
+        self._owner: list[int | None] = [None] * config.max_slots  # slot -> engine id, for admission
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._events: list[Event] = []  # produced outside step() (cancel), handed out by the next step()
+        self._capacity: int | None = None  # async: the last capacity read back (None = none yet)
+        self._plain_run = 0  # async: plain steps since the last speculative round
+        self._probe_every = 2
 
-    # ---- request validation -------------------------------------------------------------------
+    # ---- requests -----------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
         """Raise ValueError naming the first thing wrong with `req`."""
         prompt = list(req.prompt) if req.prompt is not None else []
@@ -178,143 +241,238 @@ class Engine:
             raise ValueError(f"request 'max_tokens': expected an integer >= 1, got {req.max_tokens!r}")
         if not isinstance(req.seed, (int, np.integer)) or not 0 <= int(req.seed) < 2 ** 32:
             raise ValueError(f"request 'seed': expected an integer in [0, 2^32), got {req.seed!r}")
-        bad_stop = [t for t in req.stop_tokens if not 0 <= int(t) < self.vocab]
+        stops = list(req.stop_tokens)
+        bad_stop = [t for t in stops if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < self.vocab]
         if bad_stop:
-            raise ValueError(f"request 'stop_tokens': ids must be in [0, {self.vocab}), got {bad_stop}")
+            raise ValueError(f"request 'stop_tokens': ids must be integers in [0, {self.vocab}), got {bad_stop}")
+        if len(stops) > self.config.max_stop_tokens:
+            raise ValueError(f"request 'stop_tokens': at most {self.config.max_stop_tokens} "
+                             f"(EngineConfig.max_stop_tokens), got {len(stops)}")
         sampling.validate([req.temperature], [req.top_k], [req.top_p])
 
-    # ---- the serving loop ---------------------------------------------------------------------
+    def submit(self, request: Request) -> int:
+        """Queue a request; -> its engine id. A bad request raises ValueError (nothing is queued)."""
+        self.validate(request)
+        rid = next(self._ids)
+        self._queue.append((rid, request))
+        return rid
+
+    def cancel(self, rid: int) -> bool:
+        """Stop a queued or running request; its finish event ("cancelled") comes with the next step().
+        -> False when the id is unknown or already finished."""
+        for i, (qid, req) in enumerate(self._queue):
+            if qid == rid:
+                del self._queue[i]
+                self._events.append(Event(rid, req.id, [], "cancelled", result=Result(req.id, [], "cancelled")))
+                return True
+        live = self._live.pop(rid, None)
+        if live is None:
+            return False
+        if self._owner[live.slot] == rid:
+            rows = np.zeros(self.config.max_slots, bool)
+            rows[live.slot] = True
+            self._state = ds.EVICT(self._state, jax.device_put(rows))
+            self._owner[live.slot] = None
+        live.result.finish_reason = "cancelled"
+        self._events.append(Event(rid, live.request.id, [], "cancelled", result=live.result))
+        return True
+
+    def cancel_all(self) -> int:
+        """Cancel every queued and running request; -> how many."""
+        ids = [rid for rid, _ in self._queue] + list(self._live)
+        return sum(self.cancel(rid) for rid in ids)
+
+    @property
+    def in_flight(self) -> int:
+        """Dispatched programs whose output has not been read yet."""
+        return len(self._pending)
+
+    @property
+    def idle(self) -> bool:
+        return not (self._queue or self._live or self._pending or self._events)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        """Admit waiting requests into free slots, dispatch the next program, read the previous one.
+        -> the events the read produced (token deltas and finishes)."""
+        t0 = time.perf_counter()
+        events, self._events = self._events, []
+        if self._state is None:
+            self._state = ds.init(self.model, self.config.max_slots, self.config.max_len, self.config.max_stop_tokens)
+        self._admit_waiting()
+        dispatched = self._dispatch_round()
+        waited = 0.0
+        while len(self._pending) > (1 if dispatched else 0):
+            waited += self._read(self._pending.popleft(), events)
+        self.metrics.host_s += time.perf_counter() - t0 - waited
+        return events
+
+    def stream(self) -> Iterator[Event]:
+        """Events until every submitted request has finished."""
+        while not self.idle:
+            yield from self.step()
+
     def generate(self, requests: Sequence[Request]) -> list[Result]:
-        cfg = self.config
+        """Serve `requests` to completion; results in request order (bad requests: finish_reason "error")."""
         results: list[Result | None] = [None] * len(requests)
-        queue = []
+        index = {}
         for i, req in enumerate(requests):
             try:
-                self.validate(req)
-                queue.append(i)
+                index[self.submit(req)] = i
             except (ValueError, TypeError) as err:
                 results[i] = Result(req.id, [], "error", str(err))
-        state = sr.init_state(self.model, cfg.max_slots, cfg.max_len)
-        slots: list[_Slot | None] = [None] * cfg.max_slots
-        conf_hist = np.zeros((2, cfg.max_slots, self.k), np.float32)
-        total = sum(requests[i].max_tokens for i in queue)
-        bar = tqdm(total=total, desc=f"dspark {cfg.mode}", unit="tok", disable=not cfg.progress)
+        total = sum(requests[i].max_tokens for i in index.values())
+        bar = tqdm(total=total, desc=f"dspark {self.config.mode}", unit="tok", disable=not self.config.progress)
+        mine = {rid: Result(requests[i].id, [], "") for rid, i in index.items()}
         t0 = time.perf_counter()
-        while queue or any(slots):
-            free = [s for s in range(cfg.max_slots) if slots[s] is None]
-            joining = [(s, queue.pop(0)) for s in free[:len(queue)]]
-            if joining:
-                state = self._admit(state, slots, joining, requests, results, bar, conf_hist)
-            if not any(slots):
+        for ev in self.stream():
+            res = mine.get(ev.id)
+            if res is None:
                 continue
-            state, out = self._step(state, slots, conf_hist)
-            for s, slot in enumerate(slots):
-                if slot is None:
-                    continue
-                n = int(out["num_emitted"][s])
-                slot.result.rounds += 1
-                slot.result.accepted += int(out["num_accepted"][s])
-                slot.length += n
-                self._append(slot, out["tokens"][s, :n].tolist(), bar)
-                if slot.result.finish_reason:
-                    results[slot.request_index] = slot.result
-                    slots[s] = None
-                    conf_hist[:, s] = 0.0
+            res.tokens += ev.tokens
+            bar.update(len(ev.tokens))
+            if ev.finish_reason:
+                res.finish_reason, res.error = ev.finish_reason, ev.error
+                res.rounds, res.accepted = ev.result.rounds, ev.result.accepted
+                results[index[ev.id]] = res
         bar.close()
         self.metrics.wall_s += time.perf_counter() - t0
         return results
 
-    def _admit(self, state, slots, joining, requests, results, bar, conf_hist):
+    # ---- admission ----------------------------------------------------------------------------
+    def _admit_waiting(self) -> None:
+        free = [s for s in range(self.config.max_slots) if self._owner[s] is None]
+        joining = []
+        while free and self._queue:
+            rid, req = self._queue.popleft()
+            s = free.pop(0)
+            self._owner[s] = rid
+            self._live[rid] = _Live(rid, req, Result(req.id, [], ""), s, len(req.prompt))
+            joining.append(self._live[rid])
+        if not joining:
+            return
         cfg = self.config
-        b = cfg.max_slots
-        longest = max(len(requests[i].prompt) for _, i in joining)
-        bucket = max(cfg.min_prompt_bucket, 1 << (longest - 1).bit_length())
-        prompt = np.zeros((b, bucket), np.int32)
-        plen = np.ones((b,), np.int32)
-        mask = np.zeros((b,), bool)
-        for s, i in joining:
-            req = requests[i]
-            prompt[s, :len(req.prompt)] = req.prompt
-            plen[s] = len(req.prompt)
-            mask[s] = True
-            slots[s] = _Slot(s, req, Result(req.id, [], ""), len(req.prompt), i)
-        params, seeds = self._slot_arrays(slots)
-        state, first = self._start(self.model, self.weights, state, jnp.asarray(prompt), jnp.asarray(plen),
-                                   jnp.asarray(mask), params, seeds)
-        first = np.asarray(first)
-        self.metrics.first_tokens += len(joining)
-        for s, i in joining:
-            self._append(slots[s], [int(first[s])], bar)
-            if slots[s].result.finish_reason:
-                results[i] = slots[s].result
-                slots[s] = None
-        return state
+        rows = ds.joining_rows([lv.slot for lv in joining], [list(lv.request.prompt) for lv in joining],
+                               [lv.request for lv in joining], cfg.max_slots, cfg.max_len, cfg.max_stop_tokens,
+                               cfg.min_prompt_bucket)
+        self._state, delta = ds.ADMIT(self.model, self.weights, self._state, jax.device_put(rows),
+                                      max_len=cfg.max_len)
+        self._push("admit", delta, [lv.id for lv in joining])
 
-    def _slot_arrays(self, slots):
-        b = self.config.max_slots
-        t, k, p, seeds = np.zeros(b, np.float32), np.zeros(b, np.int32), np.ones(b, np.float32), np.zeros(b, np.uint32)
-        for s, slot in enumerate(slots):
-            if slot is not None:
-                r = slot.request
-                t[s], k[s], p[s], seeds[s] = r.temperature, r.top_k, r.top_p, r.seed
-        return sampling.SamplingParams(jnp.asarray(t), jnp.asarray(k), jnp.asarray(p)), jnp.asarray(seeds)
-
-    def _step(self, state, slots, conf_hist):
+    # ---- rounds -------------------------------------------------------------------------------
+    def _dispatch_round(self) -> bool:
+        running = [lv for lv in self._live.values() if self._owner[lv.slot] == lv.id and not self._surely_done(lv)]
+        if not running:
+            return False
         cfg = self.config
-        active = np.array([s is not None for s in slots])
-        params, seeds = self._slot_arrays(slots)
         if cfg.mode == "plain":
-            state, token = self._plain(self.model, self.weights, state, params, seeds, jnp.asarray(active))
-            token = np.asarray(token)
-            out = {"tokens": token[:, None], "num_emitted": active.astype(np.int32),
-                   "num_accepted": np.zeros_like(token), "num_verify": np.zeros_like(token)}
-            self.metrics.record(out["num_verify"], out["num_accepted"], out["num_emitted"], active)
-            return state, out
-        # Drafts a row may verify: not past its max_tokens, not past the cache end.
-        cap = np.zeros(cfg.max_slots, np.int32)
-        for s, slot in enumerate(slots):
-            if slot is not None:
-                left = slot.request.max_tokens - len(slot.result.tokens)
-                cap[s] = max(0, min(self.k, left - 1, cfg.max_len - slot.length - 2))
-        width, num_verify = self._width(active, cap, conf_hist)
-        filtering = any(s is not None and (s.request.top_k > 0 or s.request.top_p < 1) for s in slots)
-        mode = {"off": "fixed", "fixed": "fixed"}.get(cfg.mode, cfg.mode)
-        state, out = self._round(self.model, self.weights, state, params, seeds, jnp.asarray(active), width=width,
-                                 mode=mode, num_verify=num_verify, draft_cap=jnp.asarray(cap),
-                                 table=self.cost_table, min_gain=cfg.min_gain, filtering=filtering)
-        out = jax.device_get(out._asdict())
-        conf_hist[1] = conf_hist[0]
-        conf_hist[0] = np.where(active[:, None], out["conf"], 0.0)
-        self.metrics.record(out["num_verify"], out["num_accepted"], out["num_emitted"], active)
-        return state, out
-
-    def _width(self, active, cap, conf_hist):
-        """(compiled verify width, fixed lengths or None): the smallest bucket that holds 1 + the most
-        drafts any row may verify this round."""
-        cfg = self.config
-        most = int(cap[active].max()) if active.any() else 0
-        fixed = None
+            self._dispatch_plain(ingest_draft=False)
+            return True
+        most = max(self._cap_bound(lv) for lv in running)
         if cfg.mode == "fixed":
-            most = min(cfg.num_verify, most)
-            fixed = jnp.full((cfg.max_slots,), most, jnp.int32)
-        elif cfg.mode == "off":
-            fixed = jnp.full((cfg.max_slots,), most, jnp.int32)
+            most = min(most, cfg.num_verify)
         elif cfg.mode == "async":
-            num_drafts = np.where(active, cap, -1)
-            c = int(self._capacity(jnp.asarray(conf_hist[1]), self.cost_table, cfg.min_gain, jnp.asarray(num_drafts)))
-            most = min(most, c)
-        return next(w for w in self.width_buckets if w >= 1 + most), fixed
+            most = min(most, self._capacity or 0)  # none read yet: a probe round (width 1)
+            if self._capacity == 0 and self._plain_run < self._probe_every:
+                self._dispatch_plain(ingest_draft=True)
+                self._plain_run += 1
+                return True
+        self._plain_run = 0
+        width = next(w for w in self.width_buckets if w >= 1 + most)
+        mode = "fixed" if cfg.mode in ("off", "fixed") else cfg.mode
+        filtering = any(lv.request.top_k > 0 or lv.request.top_p < 1 for lv in running)
+        self._state, delta = ds.SPEC_ROUND(
+            self.model, self.weights, self._state, self.cost_table, max_len=cfg.max_len, width=width, mode=mode,
+            num_verify=self.k if mode == "fixed" else None, min_gain=cfg.min_gain, filtering=filtering)
+        self._push("spec", delta)
+        return True
 
-    def _append(self, slot: _Slot, tokens: list[int], bar) -> None:
-        req, res = slot.request, slot.result
-        for tok in tokens:
-            res.tokens.append(tok)
-            bar.update(1)
-            if tok in req.stop_tokens:
-                res.finish_reason = "stop"
-                return
-            if len(res.tokens) >= req.max_tokens:
-                res.finish_reason = "length"
-                return
-        if slot.length + 2 >= self.config.max_len and not res.finish_reason:
-            res.finish_reason = "length"  # the cache is full
+    def _dispatch_plain(self, ingest_draft: bool) -> None:
+        self._state, delta = ds.PLAIN_ROUND(self.model, self.weights, self._state, max_len=self.config.max_len,
+                                            ingest_draft=ingest_draft)
+        self._push("plain", delta)
+
+    def _push(self, kind: str, delta: ds.Delta, emitting: list[int] | None = None) -> None:
+        """Queue a dispatched program's output for reading; `emitting` (default: every owned slot) are
+        the requests it emits at least one token for while they run."""
+        for x in jax.tree.leaves(delta):
+            x.copy_to_host_async()
+        emitting = [rid for rid in self._owner if rid is not None] if emitting is None else emitting
+        for rid in emitting:
+            self._live[rid].in_flight += 1
+        self._pending.append(_Pending(kind, delta, tuple(self._owner), frozenset(emitting)))
+
+    def _surely_done(self, lv: _Live) -> bool:
+        """The row finished on device whatever the unread programs emitted (each emits >= 1 token)."""
+        emitted = len(lv.result.tokens) + lv.in_flight
+        return emitted >= lv.request.max_tokens or lv.length + lv.in_flight + 2 >= self.config.max_len
+
+    def _cap_bound(self, lv: _Live) -> int:
+        """An upper bound of the drafts the row may verify next (the device clips to the exact cap)."""
+        left = lv.request.max_tokens - len(lv.result.tokens) - lv.in_flight
+        room = self.config.max_len - (lv.length + lv.in_flight) - 2
+        return max(0, min(self.k, left - 1, room))
+
+    # ---- read-back ----------------------------------------------------------------------------
+    def _read(self, pending: _Pending, events: list[Event]) -> float:
+        """Apply one program's output; -> seconds spent waiting for the device."""
+        t0 = time.perf_counter()
+        d = jax.device_get(pending.delta)
+        waited = time.perf_counter() - t0
+        owners = pending.owners
+        active = np.asarray(d.num_emitted) > 0
+        if pending.kind == "admit":
+            self.metrics.first_tokens += int(active.sum())
+        else:
+            self.metrics.record(d.num_verify, d.num_accepted, d.num_emitted, active, pending.kind == "spec")
+        if pending.kind == "spec" and self.config.record_rounds:
+            for name, col in (("logits", d.conf_logits), ("num_verified", d.num_verify),
+                              ("num_accepted", d.num_accepted)):
+                self.records[name].append(np.asarray(col)[active])
+        if pending.kind == "spec" and self.config.mode == "async":
+            self._update_capacity(int(d.capacity))
+        for s, rid in enumerate(owners):
+            if rid is None:
+                continue
+            lv = self._live.get(rid)
+            if lv is None:  # cancelled while this program was in flight
+                continue
+            lv.in_flight -= rid in pending.emitting
+            n = int(d.num_emitted[s])
+            if n == 0 and not d.finish[s]:
+                continue
+            toks = d.tokens[s, :n].tolist()
+            lv.result.tokens += toks
+            lv.length += n
+            if pending.kind != "admit":
+                lv.result.rounds += 1
+                lv.result.accepted += int(d.num_accepted[s])
+            reason = ds.FINISH_REASONS.get(int(d.finish[s]))
+            if reason:
+                lv.result.finish_reason = reason
+                del self._live[rid]
+                if self._owner[lv.slot] == rid:
+                    self._owner[lv.slot] = None
+            events.append(Event(rid, lv.request.id, toks, reason, result=lv.result if reason else None))
+        return waited
+
+    def _update_capacity(self, capacity: int) -> None:
+        """Async: the capacity read back; a zero after a probe doubles the probe interval (bounded)."""
+        if capacity == 0 and self._capacity == 0:
+            self._probe_every = min(2 * self._probe_every, _MAX_PROBE_INTERVAL)
+        elif capacity > 0:
+            self._probe_every = 2
+        self._capacity = capacity
+
+    def take_records(self) -> dict[str, np.ndarray]:
+        """Calibration records kept since the last call (EngineConfig.record_rounds), one row per active
+        request-round of a speculative round: "logits" f32[N, K] raw confidence logits, "num_verified"
+        i32[N], "num_accepted" i32[N] (the inputs of `calibration.fit_sts`)."""
+        out = {name: np.concatenate(cols) if cols else np.zeros((0, self.k) if name == "logits" else (0,))
+               for name, cols in self.records.items()}
+        self.records = _empty_records()
+        return out
+
+
+def _empty_records() -> dict[str, list]:
+    return {"logits": [], "num_verified": [], "num_accepted": []}

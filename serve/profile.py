@@ -1,51 +1,58 @@
-"""Measure the cost table (SPEC 6) on the engine's own jitted round, over the widths it compiles.
+"""Measure the cost table (SPEC 6) on the serving engine itself, over the verify widths it compiles.
 
-SPS(B) is 1 / (median seconds per round) with all slots active and every row verifying width - 1
-drafts, so B = slots * width batch tokens; the draft pass is inside the timed round, as it should be
-when its cost matters. The table is made monotone by CostTable (with a warning) if noise demands it.
+SPS(B) is 1 / (median seconds per round) of an engine in mode "fixed" with `num_verify = width - 1`,
+every slot busy, in steady state (the overlapped loop: a step's wall time is the device's round time
+once the pipeline is full), so B = slots * width batch tokens and the draft pass is inside the timed
+round, as it should be when its cost matters. The table is made monotone by CostTable (with a warning)
+if noise demands it.
 """
 
 from __future__ import annotations
 
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from dspark_jax import sampling
 from dspark_jax import spec_round as sr
 from dspark_jax.schedule import CostTable
+
+
+def round_seconds(engine, requests, *, warmup: int = 3, repeats: int = 5) -> float:
+    """Median wall seconds of one engine step in steady state (every request running throughout)."""
+    for r in requests:
+        engine.submit(r)
+    for _ in range(warmup):
+        engine.step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    engine.cancel_all()  # the requests outlive the measurement on purpose
+    while not engine.idle:
+        engine.step()
+    return float(np.median(times))
 
 
 def profile_cost_table(model: sr.SpecModel, weights: sr.Weights, *, slots: int, max_len: int,
                        widths=None, repeats: int = 5, prompt_len: int = 8, progress: bool = True,
                        seed: int = 0) -> CostTable:
+    from dspark_jax.serve.engine import Engine, EngineConfig, Request
+
     k = model.block_size
     widths = sorted(set(widths or range(1, k + 2)))
     rng = np.random.default_rng(seed)
-    prompt = jnp.asarray(rng.integers(0, model.backbone.vocab_size, (slots, prompt_len)), jnp.int32)
-    plen = jnp.full((slots,), prompt_len)
-    active = jnp.ones((slots,), bool)
-    sp = sampling.SamplingParams.make(slots, temperature=1.0)
-    seeds = jnp.arange(slots, dtype=jnp.uint32)
-    from dspark_jax.serve.engine import _ROUND as rnd
-    from dspark_jax.serve.engine import _START
-
-    # The engine's own jitted programs (shared with every Engine), so the table times what serving runs.
-    state0, _ = _START(model, weights, sr.init_state(model, slots, max_len), prompt, plen, active, sp, seeds)
+    steps = 3 + repeats
+    if prompt_len + steps * (k + 1) + 2 >= max_len:
+        raise ValueError(f"profile: max_len {max_len} is too short for {steps} rounds of up to {k + 1} tokens "
+                         f"after a {prompt_len}-token prompt")
+    requests = [Request(rng.integers(0, model.backbone.vocab_size, prompt_len).tolist(), max_tokens=max_len,
+                        temperature=1.0, seed=i) for i in range(slots)]
     batch_tokens, sps = [], []
     for w in tqdm(widths, desc="profiling verify widths", disable=not progress):
-        nv = jnp.full((slots,), w - 1, jnp.int32)
-        run = lambda st: rnd(model, weights, st, sp, seeds, active, width=w, mode="fixed",  # noqa: E731
-                             num_verify=nv, draft_cap=nv, filtering=False)
-        jax.block_until_ready(run(state0))  # compile
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(run(state0))
-            times.append(time.perf_counter() - t0)
+        engine = Engine(model, weights, EngineConfig(max_slots=slots, max_len=max_len, mode="fixed",
+                                                     num_verify=w - 1, progress=False))
         batch_tokens.append(slots * w)
-        sps.append(1.0 / float(np.median(times)))
+        sps.append(1.0 / round_seconds(engine, requests, repeats=repeats))
     return CostTable(np.asarray(batch_tokens), np.asarray(sps, np.float32), max_batch_tokens=slots * (k + 1))

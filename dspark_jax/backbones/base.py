@@ -42,7 +42,7 @@ PyTree = Any
 
 
 class BackboneOutput(NamedTuple):
-    logits: jax.Array  # f32[B, T, V]
+    logits: jax.Array  # f32[B, T, V] ([B, 1, V] with logits_at)
     taps: jax.Array  # [B, T, n_taps * D]; [B, T, 0] when no taps were requested
     cache: PyTree  # the input cache with this call's entries written; `length` NOT advanced
 
@@ -89,8 +89,11 @@ class Backbone(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, params: PyTree, cache: PyTree, tokens: jax.Array, *, taps: tuple[int, ...] = (),
-                tap_mode: str = "entry") -> BackboneOutput:
+                tap_mode: str = "entry", logits_at: jax.Array | None = None) -> BackboneOutput:
         """tokens i32[B, T] at positions cache.length + t -> BackboneOutput (see the module docstring).
+
+        `logits_at` i32[B] (an index into T per row) computes the logits of that one position only:
+        logits come back as [B, 1, V] (a prefill that samples from its last prompt position).
 
         Token ids must lie in [0, V): an id >= V embeds as NaN (jnp.take's fill mode), which poisons that
         row's outputs and cache entries only, never other rows."""
@@ -159,6 +162,17 @@ def taps_to_features(buf: jax.Array, batch: int, length: int, dtype) -> jax.Arra
     if buf.shape[0] == 0:
         return jnp.zeros((batch, length, 0), dtype)
     return jnp.moveaxis(buf, 0, 2).reshape(batch, length, -1)
+
+
+def at_positions(x: jax.Array, index: jax.Array | None) -> jax.Array:
+    """x [B, T, ...] -> x[b, index[b]] as [B, 1, ...] (index i32[B]); None keeps every position.
+
+    The LM head is the largest matmul of a prefill: a caller that needs one row's logits (the last
+    prompt position) selects that row before the final norm and head instead of after."""
+    if index is None:
+        return x
+    idx = jnp.asarray(index, jnp.int32).reshape((x.shape[0], 1) + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, idx, axis=1)
 
 
 def query_positions(length: jax.Array, t: int) -> jax.Array:

@@ -30,7 +30,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.backbones.base import (Backbone, BackboneOutput, as_dtype, cache_attention, cache_visibility,
+from dspark_jax.backbones.base import (Backbone, BackboneOutput, as_dtype, at_positions, cache_attention,
+                                       cache_visibility,
                                        query_positions, record_taps, taps_to_features, write_rows)
 from dspark_jax.config import SCORE_FUNCS, ConfigError, check_field, is_int, is_number, read_json_config
 from dspark_jax.nn.attention import WindowAttention, grouped_out_proj
@@ -231,7 +232,7 @@ class _Mhc(nn.Module):
     tap_states: tuple[int, ...] = ()
 
     @nn.compact
-    def __call__(self, tokens, length, kv_cache):
+    def __call__(self, tokens, length, kv_cache, logits_at=None):
         c = self.cfg
         cd = as_dtype(c.compute_dtype)
         b, t = tokens.shape
@@ -249,7 +250,7 @@ class _Mhc(nn.Module):
         (streams, pre, kv_cache, taps), _ = layers(c, self.tap_states, name="layers")(
             (streams, pre, kv_cache, taps), jnp.arange(c.n_layers, dtype=jnp.int32), positions, visible, written)
         taps = record_taps(taps, stream_mean(streams), c.n_layers, self.tap_states)
-        h = hc_pre(streams, pre)  # no hc_head in V4.1: the last ffn_pre collapses the output
+        h = hc_pre(at_positions(streams, logits_at), at_positions(pre, logits_at))  # no hc_head in V4.1
         h = RMSNorm(c.dim, c.norm_eps, c.param_dtype, name="norm")(h)
         head = param(self, "head", nn.initializers.normal(c.dim ** -0.5), (c.vocab_size, c.dim), c.param_dtype,
                      ("vocab", "embed"))
@@ -296,10 +297,10 @@ class MhcBackbone(Backbone):
                         jnp.zeros((c.n_layers, batch, max_len, c.head_dim), as_dtype(c.compute_dtype)))
 
     def forward(self, params, cache: MhcCache, tokens, *, taps: tuple[int, ...] = (),
-                tap_mode: str = "entry") -> BackboneOutput:
+                tap_mode: str = "entry", logits_at: jax.Array | None = None) -> BackboneOutput:
         states = self._check_call(cache, tokens, taps, tap_mode)
         logits, buf, kv = _Mhc(self.cfg, states).apply({"params": params}, tokens.astype(jnp.int32), cache.length,
-                                                       cache.kv)
+                                                       cache.kv, logits_at)
         b, t = tokens.shape
         feats = taps_to_features(buf, b, t, as_dtype(self.cfg.compute_dtype))
         return BackboneOutput(logits, feats, cache._replace(kv=kv))

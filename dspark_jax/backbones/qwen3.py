@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.backbones.base import (Backbone, BackboneOutput, as_dtype, cache_attention, cache_visibility,
+from dspark_jax.backbones.base import (Backbone, BackboneOutput, as_dtype, at_positions, cache_attention,
+                                       cache_visibility,
                                        query_positions, record_taps, taps_to_features, write_rows)
 from dspark_jax.checkpoint.safetensors_io import CheckpointError, open_checkpoint
 from dspark_jax.config import ConfigError, check_field, is_number, read_json_config
@@ -253,7 +254,7 @@ class _Qwen3(nn.Module):
     tap_states: tuple[int, ...] = ()
 
     @nn.compact
-    def __call__(self, tokens, length, k_cache, v_cache):
+    def __call__(self, tokens, length, k_cache, v_cache, logits_at=None):
         c = self.cfg
         cd = as_dtype(c.compute_dtype)
         b, t = tokens.shape
@@ -271,6 +272,7 @@ class _Qwen3(nn.Module):
             (x, k_cache, v_cache, taps), jnp.arange(c.num_hidden_layers, dtype=jnp.int32), positions, visible,
             written)
         taps = record_taps(taps, x, c.num_hidden_layers, self.tap_states)
+        x = at_positions(x, logits_at)
         x = RMSNorm(c.hidden_size, c.rms_norm_eps, c.param_dtype, name="norm")(x)
         if c.tie_word_embeddings:
             head = embed
@@ -319,10 +321,10 @@ class Qwen3Backbone(Backbone):
         return Qwen3Cache(jnp.zeros((batch,), jnp.int32), jnp.zeros(shape, cd), jnp.zeros(shape, cd))
 
     def forward(self, params, cache: Qwen3Cache, tokens, *, taps: tuple[int, ...] = (),
-                tap_mode: str = "entry") -> BackboneOutput:
+                tap_mode: str = "entry", logits_at: jax.Array | None = None) -> BackboneOutput:
         states = self._check_call(cache, tokens, taps, tap_mode)
         logits, buf, k, v = _Qwen3(self.cfg, states).apply({"params": params}, tokens.astype(jnp.int32),
-                                                           cache.length, cache.k, cache.v)
+                                                           cache.length, cache.k, cache.v, logits_at)
         b, t = tokens.shape
         feats = taps_to_features(buf, b, t, as_dtype(self.cfg.compute_dtype))
         return BackboneOutput(logits, feats, cache._replace(k=k, v=v))

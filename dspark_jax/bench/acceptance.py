@@ -111,29 +111,12 @@ def make_requests(prompts: list[dict], tokenizer, *, max_tokens: int, temperatur
 
 def recording_engine(model, weights, config, cost_table=None):
     """An Engine that also keeps, per active request-round, the raw confidence logits, the verify length
-    and the accepted count (the STS calibration records)."""
+    and the accepted count (the STS calibration records: `engine.take_records()`)."""
+    import dataclasses
+
     from dspark_jax.serve.engine import Engine
 
-    class RecordingEngine(Engine):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            self.records = {"logits": [], "num_verified": [], "num_accepted": []}
-
-        def _step(self, state, slots, conf_hist):
-            state, out = super()._step(state, slots, conf_hist)
-            if "conf_logits" in out:
-                active = np.array([s is not None for s in slots])
-                self.records["logits"].append(np.asarray(out["conf_logits"])[active])
-                self.records["num_verified"].append(np.asarray(out["num_verify"])[active])
-                self.records["num_accepted"].append(np.asarray(out["num_accepted"])[active])
-            return state, out
-
-        def take_records(self):
-            r = {k: (np.concatenate(v) if v else np.zeros((0,))) for k, v in self.records.items()}
-            self.records = {k: [] for k in self.records}
-            return r
-
-    return RecordingEngine(model, weights, config, cost_table=cost_table)
+    return Engine(model, weights, dataclasses.replace(config, record_rounds=True), cost_table=cost_table)
 
 
 def timed_generate(engine, requests, warmup_tokens: int = 16):

@@ -1,0 +1,275 @@
+"""The engine's device-resident decode state and the jitted programs that change it (donated).
+
+    state = init(model, slots, max_len, max_stops)
+    state, delta = admit(model, weights, state, joining)            # prefill ONLY the joining rows
+    state, delta = spec_round(model, weights, state, table, width=..., mode=...)
+    state, delta = plain_round(model, weights, state, ingest_draft=...)
+    state = evict(state, rows)                                      # a cancelled request leaves
+
+Everything a round needs lives here, on the device: the backbone cache and draft state
+(`spec_round.RoundState`), each slot's sampling parameters, seed, token budget and stop ids, and
+whether it still runs. A round checks stop ids, max_tokens and the cache end itself, so a finished
+row stops emitting in the very round it finishes, whatever the host has read so far. The host writes
+a slot only when a request joins (admit) or is cancelled (evict) and reads each round's `Delta`
+(the round's output buffer: the tokens each row emitted, at most K+1) asynchronously, a round late.
+
+Finish rules (per row, in emission order): a stop id ends the request after emitting it ("stop");
+reaching max_tokens ends it ("length"); so does a committed length within 2 of the cache end
+(`max_len - 2`: a next round needs the anchor's slot and one more).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax import draft as draft_lib
+from dspark_jax import sampling
+from dspark_jax import spec_round as sr
+from dspark_jax.schedule import CostTable, async_capacity
+
+# finish codes (Delta.finish)
+RUNNING, STOP, LENGTH = 0, 1, 2
+FINISH_REASONS = {STOP: "stop", LENGTH: "length"}
+
+
+class Slots(NamedTuple):
+    """Per-slot request facts (written by admit, read by every round)."""
+
+    params: sampling.SamplingParams  # [B]
+    seeds: jax.Array  # u32[B]
+    running: jax.Array  # bool[B] holds a request that has not finished
+    budget: jax.Array  # i32[B] tokens it may still emit
+    stop_ids: jax.Array  # i32[B, S] stop token ids, -1 = unused
+
+
+class DecodeState(NamedTuple):
+    round: sr.RoundState
+    slots: Slots
+
+
+class Delta(NamedTuple):
+    """What one program emitted, per slot (the host reads this a round late)."""
+
+    tokens: jax.Array  # i32[B, T] emitted this call (T = K+1 for rounds, 1 for plain/admit), -1 after
+    num_emitted: jax.Array  # i32[B] (0 for rows that were not running)
+    finish: jax.Array  # i32[B] RUNNING, STOP or LENGTH: the row finished in THIS call (else RUNNING)
+    num_accepted: jax.Array  # i32[B]
+    num_verify: jax.Array  # i32[B] admitted drafts l_r
+    conf_logits: jax.Array  # f32[B, K] raw confidence logits (calibration records; zeros for plain)
+    capacity: jax.Array  # i32 scalar: the async capacity this round's confidences give the round after next
+
+
+class Joining(NamedTuple):
+    """Host-built rows of an admit call (J rows; padded rows carry slot index B and are dropped)."""
+
+    slot: jax.Array  # i32[J]
+    prompt: jax.Array  # i32[J, P]
+    prompt_len: jax.Array  # i32[J]
+    params: sampling.SamplingParams  # [J]
+    seeds: jax.Array  # u32[J]
+    max_tokens: jax.Array  # i32[J]
+    stop_ids: jax.Array  # i32[J, S]
+
+
+def init(model: sr.SpecModel, slots: int, max_len: int, max_stops: int) -> DecodeState:
+    rs = sr.init_state(model, slots, max_len)
+    table = Slots(sampling.SamplingParams(jnp.zeros(slots, jnp.float32), jnp.zeros(slots, jnp.int32),
+                                          jnp.ones(slots, jnp.float32)),
+                  jnp.zeros(slots, jnp.uint32), jnp.zeros(slots, bool), jnp.zeros(slots, jnp.int32),
+                  jnp.full((slots, max_stops), -1, jnp.int32))
+    return DecodeState(rs, table)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Row scatter: a joining row's freshly prefilled state goes into its slot
+
+
+@functools.lru_cache(maxsize=None)
+def _batch_axes(model: sr.SpecModel, max_len: int):
+    """The batch axis of every RoundState leaf, found by comparing the shapes at batch 1 and 2 (the
+    backbone and draft families own their layouts; this only relies on init_state's contract)."""
+    one = jax.eval_shape(lambda: sr.init_state(model, 1, max_len))
+    two = jax.eval_shape(lambda: sr.init_state(model, 2, max_len))
+
+    def axis(a, b):
+        diff = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+        if len(diff) != 1:
+            raise ValueError(f"decode state leaf of shape {b.shape} has no single batch axis")
+        return diff[0]
+
+    return jax.tree.map(axis, one, two)
+
+
+def _scatter_rows(full, part, slot, axes):
+    """full leaves [.., B, ..] <- part leaves [.., J, ..] at rows `slot` i32[J] (index B = dropped)."""
+
+    def put(f, p, ax):
+        idx = (slice(None),) * ax + (slot,)
+        return f.at[idx].set(p.astype(f.dtype), mode="drop")
+
+    return jax.tree.map(put, full, part, axes)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Finish checks (on device)
+
+
+def _finish(tokens, num_emitted, slots: Slots, new_length, max_len: int):
+    """Cut each row's emitted tokens at its first stop id or its budget; -> (tokens, n, finish, budget)."""
+    t = tokens.shape[1]
+    j = jnp.arange(t, dtype=jnp.int32)[None, :]
+    emitted = j < num_emitted[:, None]
+    is_stop = emitted & jnp.any((tokens[:, :, None] == slots.stop_ids[:, None, :]) & (slots.stop_ids[:, None, :] >= 0),
+                                axis=-1)
+    first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), t).astype(jnp.int32)
+    n = jnp.minimum(jnp.minimum(num_emitted, slots.budget), first_stop + 1)
+    n = jnp.where(slots.running, n, 0)
+    hit_stop = slots.running & (first_stop < n)
+    budget = slots.budget - n
+    full = slots.running & ((budget <= 0) | (new_length + 2 >= max_len))
+    finish = jnp.where(hit_stop, STOP, jnp.where(full, LENGTH, RUNNING)).astype(jnp.int32)
+    return jnp.where(j < n[:, None], tokens, -1), n, finish, budget
+
+
+def _after(state: DecodeState, rs: sr.RoundState, tokens, num_emitted, num_accepted, num_verify, conf_logits,
+           capacity, max_len: int):
+    slots = state.slots
+    toks, n, finish, budget = _finish(tokens, num_emitted, slots, rs.cache.length, max_len)
+    slots = slots._replace(running=slots.running & (finish == RUNNING), budget=budget)
+    run = state.slots.running
+    delta = Delta(toks, n, finish, jnp.where(run, num_accepted, 0), jnp.where(run, num_verify, 0), conf_logits,
+                  jnp.asarray(capacity, jnp.int32))
+    return DecodeState(rs, slots), delta
+
+
+def _no_conf(model, b):
+    return jnp.zeros((b, model.block_size), jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The programs
+
+
+def admit(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, joining: Joining, *, max_len: int
+          ) -> tuple[DecodeState, Delta]:
+    """Prefill the J joining rows alone (a fresh state of batch J; the LM head at each row's last prompt
+    position only), draw their first tokens, and scatter the rows, their sampling facts and budgets into
+    their slots. The first token goes through the same finish checks as a round's tokens (a stop id,
+    max_tokens 1, a prompt that fills the cache)."""
+    j, b = joining.slot.shape[0], state.slots.running.shape[0]
+    sub = sr.init_state(model, j, max_len)
+    out = sr.backbone_forward(model, weights.backbone, sub.cache, joining.prompt,
+                              logits_at=jnp.maximum(joining.prompt_len - 1, 0))
+    cache = model.backbone.commit(out.cache, joining.prompt_len)
+    dstate = draft_lib.ingest(weights.draft, model.cfg, sub.draft, out.taps, joining.prompt_len, impl=model.impl)
+    first = sampling.sample(out.logits[:, 0], joining.params, joining.seeds, joining.prompt_len,
+                            sampling.Stream.RESAMPLE)
+    rs = _scatter_rows(state.round, sr.RoundState(cache, dstate, first, sub.conf_lag), joining.slot,
+                       _batch_axes(model, max_len))
+
+    def put(full, part):
+        return full.at[joining.slot].set(part.astype(full.dtype), mode="drop")
+
+    s = state.slots
+    joined = put(jnp.zeros((b,), bool), jnp.ones((j,), bool))
+    slots = Slots(jax.tree.map(put, s.params, joining.params), put(s.seeds, joining.seeds), joined,
+                  put(s.budget, joining.max_tokens), put(s.stop_ids, joining.stop_ids))
+    first_b = put(jnp.full((b,), -1, jnp.int32), first)[:, None]
+    toks, n, finish, budget = _finish(first_b, joined.astype(jnp.int32), slots, rs.cache.length, max_len)
+    slots = slots._replace(running=jnp.where(joined, finish == RUNNING, s.running),
+                           budget=jnp.where(joined, budget, s.budget))
+    zeros = jnp.zeros((b,), jnp.int32)
+    return DecodeState(rs, slots), Delta(toks, n, finish, zeros, zeros, _no_conf(model, b), jnp.int32(0))
+
+
+def _caps(model: sr.SpecModel, state: DecodeState, max_len: int) -> jax.Array:
+    """Drafts each row may verify: not past its budget (the round emits l + 1 tokens), not past the
+    cache end; -1 for rows not running (schedule.py's padding marker)."""
+    length = state.round.cache.length
+    cap = jnp.clip(jnp.minimum(state.slots.budget - 1, max_len - length - 2), 0, model.block_size)
+    return jnp.where(state.slots.running, cap, -1)
+
+
+def spec_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, table: CostTable | None, *,
+               max_len: int, width: int, mode: str, num_verify: int | None = None, min_gain: float = 0.0,
+               filtering: bool = True) -> tuple[DecodeState, Delta]:
+    """One speculative round (spec_round.spec_round) for every running slot, then the finish checks.
+
+    `mode` is the round's admission: "fixed" (num_verify drafts, clipped to each row's cap and to
+    width - 1), "sync" or "async". The Delta carries the async capacity of the round after next:
+    C from this round's confidences (the lag-2 confidences that round will schedule with), so the host
+    picks that round's verify width without a blocking read."""
+    running = state.slots.running
+    caps = _caps(model, state, max_len)
+    nv = None if num_verify is None else jnp.full(running.shape, num_verify, jnp.int32)
+    rs, out = sr.spec_round(model, weights, state.round, state.slots.params, state.slots.seeds, running,
+                            width=width, mode=mode, num_verify=nv, draft_cap=jnp.maximum(caps, 0), table=table,
+                            min_gain=min_gain, filtering=filtering)
+    capacity = jnp.int32(0) if table is None else async_capacity(out.conf, table, min_gain, caps)
+    return _after(state, rs, out.tokens, out.num_emitted, out.num_accepted, out.num_verify, out.conf_logits,
+                  capacity, max_len)
+
+
+def plain_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, *, max_len: int,
+                ingest_draft: bool) -> tuple[DecodeState, Delta]:
+    """One plain decoding step for every running slot (the same keys a round with l = 0 uses).
+
+    `ingest_draft` keeps the draft's context current (a speculative engine that skips speculation for a
+    round must not leave a hole in the draft's ring); the plain baseline runs without it (no taps)."""
+    running = state.slots.running
+    rs = state.round
+    if ingest_draft:
+        bo = sr.backbone_forward(model, weights.backbone, rs.cache, rs.anchor[:, None])
+        n = running.astype(jnp.int32)
+        rs = rs._replace(draft=draft_lib.ingest(weights.draft, model.cfg, rs.draft, bo.taps, n, impl=model.impl))
+    else:
+        bo = model.backbone.forward(weights.backbone, rs.cache, rs.anchor[:, None])
+    token = sampling.sample(bo.logits[:, 0], state.slots.params, state.slots.seeds, rs.cache.length + 1,
+                            sampling.Stream.RESAMPLE)
+    cache = model.backbone.commit(bo.cache, running.astype(jnp.int32))
+    rs = rs._replace(cache=cache, anchor=jnp.where(running, token, rs.anchor))
+    b = running.shape[0]
+    zeros = jnp.zeros((b,), jnp.int32)
+    return _after(state, rs, jnp.where(running, token, -1)[:, None], running.astype(jnp.int32), zeros, zeros,
+                  _no_conf(model, b), 0, max_len)
+
+
+def evict(state: DecodeState, rows: jax.Array) -> DecodeState:
+    """Stop the rows where `rows` (bool[B]) is set (cancelled requests); their slots are free."""
+    return state._replace(slots=state.slots._replace(running=state.slots.running & ~rows))
+
+
+# Shared compiled programs (module level, so every Engine over the same SpecModel reuses them). The state
+# is donated: a round updates the cache and draft state in place instead of copying them.
+ADMIT = jax.jit(admit, static_argnums=0, donate_argnames=("state",), static_argnames=("max_len",))
+SPEC_ROUND = jax.jit(spec_round, static_argnums=0, donate_argnames=("state",),
+                     static_argnames=("max_len", "width", "mode", "num_verify", "min_gain", "filtering"))
+PLAIN_ROUND = jax.jit(plain_round, static_argnums=0, donate_argnames=("state",),
+                      static_argnames=("max_len", "ingest_draft"))
+EVICT = jax.jit(evict, donate_argnames=("state",))
+
+
+def joining_rows(slots: list[int], prompts: list[list[int]], requests, num_slots: int, max_len: int,
+                 max_stops: int, min_bucket: int) -> Joining:
+    """Host side: the padded arrays of one admit call (J and P bucketed to powers of two, so few programs
+    compile). Padded rows point at slot `num_slots` (dropped on device)."""
+    j = 1 << (len(slots) - 1).bit_length()
+    longest = max(len(p) for p in prompts)
+    p_len = min(max_len, max(min_bucket, 1 << (longest - 1).bit_length()))
+    slot = np.full((j,), num_slots, np.int32)
+    prompt = np.zeros((j, p_len), np.int32)
+    plen = np.ones((j,), np.int32)
+    temp, top_k, top_p = np.zeros(j, np.float32), np.zeros(j, np.int32), np.ones(j, np.float32)
+    seeds, max_tokens = np.zeros(j, np.uint32), np.ones(j, np.int32)
+    stops = np.full((j, max_stops), -1, np.int32)
+    for i, (s, p, r) in enumerate(zip(slots, prompts, requests)):
+        slot[i], plen[i] = s, len(p)
+        prompt[i, :len(p)] = p
+        temp[i], top_k[i], top_p[i], seeds[i], max_tokens[i] = r.temperature, r.top_k, r.top_p, r.seed, r.max_tokens
+        stops[i, :len(r.stop_tokens)] = list(r.stop_tokens)
+    return Joining(slot, prompt, plen, sampling.SamplingParams(temp, top_k, top_p), seeds, max_tokens, stops)

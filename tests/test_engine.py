@@ -1,0 +1,119 @@
+"""The serving engine's loop (serve/engine.py, serve/decode_state.py): submit / step / cancel with
+overlap, on-device finish checks, the async scheduler's plain fallback, no host transfers in steady
+state, and bad requests that never stop the others."""
+
+import jax
+import numpy as np
+import pytest
+from spec_helpers import oracle_propose
+from spec_helpers import random_prompts as prompts
+from test_spec_round import CFG, family, plain_greedy
+
+from dspark_jax import spec_round as sr
+from dspark_jax.schedule import CostTable
+from dspark_jax.serve.engine import Engine, EngineConfig, Request
+
+MAXLEN = 200  # plain_greedy's cache length: the same compiled programs as test_spec_round
+
+
+def _engine(mode="off", slots=3, table=None, **kw):
+    bb, weights = family("mhc")
+    model = sr.SpecModel(bb, CFG, impl="xla", propose_fn=oracle_propose)
+    return Engine(model, weights, EngineConfig(mode=mode, max_slots=slots, max_len=MAXLEN, progress=False, **kw), table)
+
+
+def _want():
+    return plain_greedy("mhc", 22, 150, MAXLEN)
+
+
+def test_requests_join_leave_and_cancel_mid_run_greedy_equals_plain():
+    """More requests than slots, submitted while others run; one cancelled while running, one while
+    queued, one that stops on a stop id: the rest are plain decoding token for token."""
+    want = _want()
+    eng = _engine()
+    ids = {eng.submit(Request(p, max_tokens=30 + 4 * i, id=i)): i for i, p in enumerate(prompts(4, seed=1))}
+    got = {i: [] for i in range(8)}
+    finish = {}
+    steps = 0
+    late = prompts(8, seed=1)[4:]
+    while not eng.idle:
+        for ev in eng.step():
+            got[ev.request_id] += ev.tokens
+            if ev.finish_reason:
+                finish[ev.request_id] = ev.finish_reason
+        steps += 1
+        if steps == 2:  # join mid-run; request 5 stops at the token plain decoding emits 6th
+            for j, p in enumerate(late):
+                i = 4 + j
+                stop = (int(want[i, 5]),) if i == 5 else ()
+                ids[eng.submit(Request(p, max_tokens=12, stop_tokens=stop, id=i))] = i
+            victim_queued = max(ids)
+        if steps == 4:
+            running = next(rid for rid, i in ids.items() if i == 1)
+            assert eng.cancel(running) and eng.cancel(victim_queued)
+            assert not eng.cancel(running)  # already cancelled
+    assert finish[1] == "cancelled" and finish[ids[victim_queued]] == "cancelled"
+    assert got[ids[victim_queued]] == []
+    assert got[1] == want[1, :len(got[1])].tolist()
+    first_stop = list(want[5]).index(want[5, 5])
+    assert finish[5] == "stop" and got[5] == want[5, :first_stop + 1].tolist()
+    for i in (0, 2, 3, 4, 6):
+        assert finish[i] == "length", (i, finish[i])
+        n = 30 + 4 * i if i < 4 else 12
+        assert got[i] == want[i, :n].tolist(), i
+
+
+def test_async_scheduler_falls_back_to_plain_steps_and_stays_exact():
+    """A cost table on which speculation never pays (a third batch token makes the step 10x slower): the async
+    engine runs plain step programs, probing with a speculative round now and then, and emits exactly
+    plain decoding."""
+    table = CostTable(np.array([1, 3]), np.array([100.0, 10.0]), max_batch_tokens=24)
+    eng = _engine("async", slots=2, table=table)
+    reqs = [Request(p, max_tokens=40, id=i) for i, p in enumerate(prompts(2, seed=1))]
+    want = _want()
+    for r in eng.generate(reqs):
+        assert r.tokens == want[r.id, :40].tolist()
+    m = eng.metrics
+    assert m.verified == 0 and m.spec_rounds < m.rounds / 3, (m.spec_rounds, m.rounds)
+
+
+def test_async_scheduler_speculates_when_it_pays():
+    """A flat cost table (verifying is free): the capacity read back is positive and drafts get verified."""
+    table = CostTable(np.array([1]), np.array([100.0]), max_batch_tokens=24)
+    eng = _engine("async", slots=2, table=table)
+    want = _want()
+    for r in eng.generate([Request(p, max_tokens=30, id=i) for i, p in enumerate(prompts(2, seed=1))]):
+        assert r.tokens == want[r.id, :30].tolist()
+    assert eng.metrics.verified > 0 and eng.metrics.spec_rounds == eng.metrics.rounds
+
+
+@pytest.mark.parametrize("mode", ["off", "plain"])
+def test_steady_state_rounds_move_no_data_host_to_device_and_keep_one_round_in_flight(mode):
+    """Once every request is admitted, a step dispatches the next round before it reads the previous one
+    (so the device is never idle waiting for the host) and copies nothing from the host to the device:
+    sampling parameters, seeds, budgets and stop ids already live there."""
+    eng = _engine(mode, slots=2)
+    for i, p in enumerate(prompts(2, seed=1)):
+        eng.submit(Request(p, max_tokens=60, id=i))
+    eng.step()
+    eng.step()
+    with jax.transfer_guard_host_to_device("disallow_explicit"), jax.transfer_guard_device_to_host("disallow"):
+        for _ in range(4):
+            events = eng.step()
+            assert [len(e.tokens) > 0 for e in events] == [True, True]
+            assert eng.in_flight == 1
+    eng.cancel_all()
+    while not eng.idle:
+        eng.step()
+
+
+def test_bad_request_is_refused_at_submit_and_the_engine_keeps_serving():
+    eng = _engine()
+    good = eng.submit(Request([1, 2, 3], max_tokens=5, id="ok"))
+    with pytest.raises(ValueError, match="stop_tokens"):
+        eng.submit(Request([1], stop_tokens=[1, 2, 3, 4, 5, 6, 7, 8, 9], id="many-stops"))
+    with pytest.raises(ValueError, match="prompt"):
+        eng.submit(Request([1, 10**6], id="range"))
+    out = [ev for ev in eng.stream() if ev.id == good]
+    assert out[-1].finish_reason == "length" and sum(len(e.tokens) for e in out) == 5
+    assert not eng.cancel(good) and not eng.cancel(12345)
