@@ -2,14 +2,17 @@
 
 The embedded default (dspark_jax/assets/default/) is a small V4.1-style mHC backbone trained on the
 Python standard library's sources and its block-7 DSpark draft (Markov head, STS-calibrated confidence
-head). The demo continues held-out functions (stdlib files neither model saw) twice with the same
-requests, once with plain autoregressive decoding (engine mode "plain") and once speculatively (mode
-"off": every draft verified, or "fixed" with --num-verify), greedy and at T = 1, and prints:
-  * tau (tokens per round) and the per-position conditional acceptance of the speculative run;
-  * tokens/s of both runs and the speedup (each timed after a compile warm-up on the same prompts);
-  * for greedy, whether the speculative output equals plain decoding token for token (it must);
-  * one generated continuation as text;
-and writes a PNG (acceptance bars + tokens/s) to --plot (default ./dspark_demo.png).
+head). The demo continues held-out functions (stdlib files neither model saw) three times with the same
+requests, greedy and at T = 1, on the same engine loop:
+  * plain       plain autoregressive decoding (engine mode "plain");
+  * verify-all  speculative, every draft verified (mode "off"; or "fixed" with --num-verify);
+  * scheduled   speculative with the DSpark async scheduler (mode "async") on a cost table measured on
+                this machine once and cached beside the bundle: it verifies only what is predicted to
+                pay, down to no draft at all (plain steps) when nothing does;
+and prints tau, drafts verified per round and the per-position conditional acceptance, tokens/s and the
+speed-up of each (timed after a compile warm-up on the same prompts), for greedy whether every run
+equals plain decoding token for token (it must), and one continuation as text; it writes a PNG
+(acceptance bars + tokens/s) to --plot (default ./dspark_demo.png).
 
 Without the embedded model it says so; --random-tiny runs the same plumbing on random tiny weights.
 """
@@ -90,46 +93,50 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
 
     progress = not args.no_progress
-    spec = Engine(model, weights, EngineConfig(max_slots=slots, max_len=args.max_len, mode=args.mode,
-                                               num_verify=args.num_verify, progress=progress))
-    plain = Engine(model, weights, EngineConfig(max_slots=slots, max_len=args.max_len, mode="plain",
-                                                progress=progress))
+    from dspark_jax.serve.profile import cached_cost_table
+
+    base = dict(max_slots=slots, max_len=args.max_len, progress=progress)
+    table, where_table = cached_cost_table(bundle, slots=slots, max_len=args.max_len, progress=progress)
+    print(f"cost table: {where_table}", flush=True)
+    engines = {"plain": Engine(model, weights, EngineConfig(mode="plain", **base)),
+               "verify-all": Engine(model, weights, EngineConfig(mode=args.mode, num_verify=args.num_verify, **base)),
+               "scheduled": Engine(model, weights, EngineConfig(mode="async", **base), cost_table=table)}
     runs = []
     samples = []
     for temp in args.temperatures:
         reqs = make_requests(prompts, bundle.tokenizer, max_tokens=args.max_tokens, temperature=temp)
-        res_p, m_p = timed_generate(plain, reqs)
-        res_s, m_s = timed_generate(spec, reqs)
+        out = {name: timed_generate(eng, reqs) for name, eng in engines.items()}
         same = None
         if temp == 0.0:
-            same = all(a.tokens == b.tokens for a, b in zip(res_p, res_s))
-        samples.append((temp, reqs[0], res_s[0]))
-        runs.append({"T": temp, "plain": m_p, "spec": m_s, "same": same})
+            same = all(a.tokens == b.tokens for res, _ in out.values() for a, b in zip(out["plain"][0], res))
+        samples.append((temp, reqs[0], out["scheduled"][0][0]))
+        runs.append({"T": temp, "metrics": {name: m for name, (_, m) in out.items()}, "same": same})
 
     print()
-    print(f"{'T':>3s} {'decoding':12s} {'tokens':>6s} {'seconds':>8s} {'tok/s':>7s} {'tau':>6s} {'speedup':>8s}")
+    print(f"{'T':>3s} {'decoding':12s} {'tokens':>6s} {'seconds':>8s} {'tok/s':>7s} {'tau':>6s} {'verified/r':>10s} "
+          f"{'spec rounds':>11s} {'speedup':>8s}")
     for r in runs:
-        mp, ms = r["plain"], r["spec"]
-        speed = ms.tokens_per_s / mp.tokens_per_s if mp.tokens_per_s else float("nan")
-        print(f"{r['T']:>3g} {'plain':12s} {mp.emitted:6d} {mp.wall_s:8.2f} {mp.tokens_per_s:7.1f} {1.0:6.3f} "
-              f"{'1.00x':>8s}")
-        print(f"{r['T']:>3g} {'speculative':12s} {ms.emitted:6d} {ms.wall_s:8.2f} {ms.tokens_per_s:7.1f} "
-              f"{ms.tau:6.3f} {speed:7.2f}x")
+        mp = r["metrics"]["plain"]
+        for name, m in r["metrics"].items():
+            speed = m.tokens_per_s / mp.tokens_per_s if mp.tokens_per_s else float("nan")
+            print(f"{r['T']:>3g} {name:12s} {m.emitted:6d} {m.wall_s:8.2f} {m.tokens_per_s:7.1f} {m.tau:6.3f} "
+                  f"{m.mean_verify:10.2f} {m.spec_rounds:5d}/{m.rounds:<5d} {speed:7.2f}x")
     print()
     print("per-position conditional acceptance P(accept k | 1..k-1 accepted):")
     print("      " + " ".join(f"  k={i + 1}" for i in range(k)))
     for r in runs:
-        print(f"T={r['T']:<3g} " + fmt_acc([None if np.isnan(a) else float(a) for a in r["spec"].acceptance], k))
+        m = r["metrics"]["verify-all"]
+        print(f"T={r['T']:<3g} " + fmt_acc([None if np.isnan(a) else float(a) for a in m.acceptance], k))
     for r in runs:
         if r["same"] is not None:
             verdict = "identical" if r["same"] else "DIFFERENT (a bug: greedy speculative decoding must be lossless)"
-            print(f"greedy check: speculative output vs plain decoding, token for token: {verdict}")
+            print(f"greedy check: verify-all and scheduled outputs vs plain decoding, token for token: {verdict}")
 
     if samples and bundle.tokenizer is not None:
         req = samples[0][1]
         prompt_text = bundle.tokenizer.decode(list(req.prompt))
         tail = "\n".join(prompt_text.splitlines()[-6:])
-        print(f"\nsample: prompt {req.id} (held-out; last lines), then each run's speculative continuation\n"
+        print(f"\nsample: prompt {req.id} (held-out; last lines), then the scheduled run's continuation per T\n"
               f"{'-' * 72}\n{tail}")
         for temp, _, res in samples:
             label = "greedy" if temp == 0.0 else f"T = {temp:g}"
@@ -149,29 +156,34 @@ def _plot(runs, k, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     width = 0.8 / max(len(runs), 1)
     for i, r in enumerate(runs):
+        m = r["metrics"]["verify-all"]
         xs = np.arange(1, k + 1) + (i - (len(runs) - 1) / 2) * width
-        ax1.bar(xs, r["spec"].acceptance, width, label=f"T = {r['T']:g} (tau {r['spec'].tau:.2f})")
+        ax1.bar(xs, m.acceptance, width, label=f"T = {r['T']:g} (tau {m.tau:.2f})")
     ax1.set_xticks(np.arange(1, k + 1))
     ax1.set_xlim(0.4, k + 0.6)
     ax1.set_xlabel("draft position k")
     ax1.set_ylabel("P(accept k | 1..k-1 accepted)")
     ax1.set_ylim(0, 1)
-    ax1.set_title("DSpark per-position acceptance")
+    ax1.set_title("DSpark per-position acceptance (every draft verified)")
     ax1.legend()
-    labels = [f"T = {r['T']:g}" for r in runs]
+    names = list(runs[0]["metrics"]) if runs else []
     xs = np.arange(len(runs))
-    ax2.bar(xs - 0.2, [r["plain"].tokens_per_s for r in runs], 0.4, label="plain decoding")
-    ax2.bar(xs + 0.2, [r["spec"].tokens_per_s for r in runs], 0.4, label="DSpark speculative")
-    for x, r in zip(xs, runs):
-        sp = r["spec"].tokens_per_s / max(r["plain"].tokens_per_s, 1e-9)
-        ax2.text(x + 0.2, r["spec"].tokens_per_s, f"{sp:.2f}x", ha="center", va="bottom")
-    ax2.set_xticks(xs, labels)
+    bar = 0.8 / max(len(names), 1)
+    for j, name in enumerate(names):
+        vals = [r["metrics"][name].tokens_per_s for r in runs]
+        pos = xs + (j - (len(names) - 1) / 2) * bar
+        ax2.bar(pos, vals, bar, label=name)
+        for x, r, v in zip(pos, runs, vals):
+            ax2.text(x, v, f"{v / max(r['metrics']['plain'].tokens_per_s, 1e-9):.2f}x", ha="center", va="bottom",
+                     fontsize=8)
+    ax2.set_xticks(xs, [f"T = {r['T']:g}" for r in runs])
     ax2.set_ylabel("tokens / s (this machine, this run)")
     ax2.set_title("throughput, same requests")
-    ax2.set_ylim(0, 1.25 * max(max(r["plain"].tokens_per_s, r["spec"].tokens_per_s) for r in runs))
+    top = max((m.tokens_per_s for r in runs for m in r["metrics"].values()), default=1.0)
+    ax2.set_ylim(0, 1.25 * top)
     ax2.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

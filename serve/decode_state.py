@@ -244,13 +244,26 @@ def evict(state: DecodeState, rows: jax.Array) -> DecodeState:
     return state._replace(slots=state.slots._replace(running=state.slots.running & ~rows))
 
 
+def spec_rounds(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, table: CostTable | None, *,
+                rounds: int = 1, **kw) -> tuple[DecodeState, Delta]:
+    """`rounds` consecutive speculative rounds in one call (one host dispatch for all of them, the
+    finish checks still per round); the Delta's leaves gain a leading [rounds] axis."""
+    return jax.lax.scan(lambda st, _: spec_round(model, weights, st, table, **kw), state, None, length=rounds)
+
+
+def plain_rounds(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, *, rounds: int = 1, **kw
+                 ) -> tuple[DecodeState, Delta]:
+    """`rounds` consecutive plain steps in one call (Delta leaves [rounds, ...])."""
+    return jax.lax.scan(lambda st, _: plain_round(model, weights, st, **kw), state, None, length=rounds)
+
+
 # Shared compiled programs (module level, so every Engine over the same SpecModel reuses them). The state
 # is donated: a round updates the cache and draft state in place instead of copying them.
 ADMIT = jax.jit(admit, static_argnums=0, donate_argnames=("state",), static_argnames=("max_len",))
-SPEC_ROUND = jax.jit(spec_round, static_argnums=0, donate_argnames=("state",),
-                     static_argnames=("max_len", "width", "mode", "num_verify", "min_gain", "filtering"))
-PLAIN_ROUND = jax.jit(plain_round, static_argnums=0, donate_argnames=("state",),
-                      static_argnames=("max_len", "ingest_draft"))
+SPEC_ROUNDS = jax.jit(spec_rounds, static_argnums=0, donate_argnames=("state",),
+                      static_argnames=("rounds", "max_len", "width", "mode", "num_verify", "min_gain", "filtering"))
+PLAIN_ROUNDS = jax.jit(plain_rounds, static_argnums=0, donate_argnames=("state",),
+                       static_argnames=("rounds", "max_len", "ingest_draft"))
 EVICT = jax.jit(evict, donate_argnames=("state",))
 
 
@@ -273,3 +286,41 @@ def joining_rows(slots: list[int], prompts: list[list[int]], requests, num_slots
         temp[i], top_k[i], top_p[i], seeds[i], max_tokens[i] = r.temperature, r.top_k, r.top_p, r.seed, r.max_tokens
         stops[i, :len(r.stop_tokens)] = list(r.stop_tokens)
     return Joining(slot, prompt, plen, sampling.SamplingParams(temp, top_k, top_p), seeds, max_tokens, stops)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Multi-device placement: parameters and state carry shardings by name
+
+
+def weight_shardings(model: sr.SpecModel, weights: sr.Weights, mesh):
+    """NamedShardings of a speculative pair's weights on `mesh`: the backbone's and the draft's by their
+    logical axis names (the draft's experts over `expert`, ...; see dspark_jax.parallel), the tied
+    embedding / head and the STS temperatures replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from dspark_jax.parallel import fit_shardings, logical_shardings
+
+    bb = model.backbone
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return sr.Weights(fit_shardings(logical_shardings(bb.logical_axes(), mesh), bb.abstract_params()),
+                      draft_lib.param_shardings(model.cfg, mesh), jax.tree.map(lambda _: replicated, weights.tied),
+                      replicated)
+
+
+def state_shardings(model: sr.SpecModel, state: DecodeState, max_len: int, mesh):
+    """NamedShardings of a DecodeState on `mesh`: every leaf's batch (slot) axis over the mesh's batch
+    axes (`data`, `fsdp`), the rest replicated (a slot count the batch axes do not divide stays whole)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from dspark_jax.parallel import batch_sharding, fit_shardings
+
+    lead = batch_sharding(mesh, 1).spec[0]
+
+    def at(axis, leaf):
+        spec = [None] * leaf.ndim
+        spec[axis] = lead
+        return NamedSharding(mesh, PartitionSpec(*spec))
+
+    round_sh = jax.tree.map(at, _batch_axes(model, max_len), state.round)
+    slots_sh = jax.tree.map(lambda leaf: at(0, leaf), state.slots)
+    return fit_shardings(DecodeState(round_sh, slots_sh), state)

@@ -100,12 +100,17 @@ class EngineConfig:
     progress: bool = True
     profile_on_start: bool = False  # sync/async without a table: measure one at start-up (slow)
     record_rounds: bool = False  # keep calibration records (raw confidence logits per verified row-round)
+    # Rounds per dispatched program: more amortise the host's per-call cost, but a request that finishes
+    # mid-call holds its slot (idle) until the call ends.
+    rounds_per_call: int = 4
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"engine 'mode': expected one of {MODES}, got {self.mode!r}")
         if self.max_slots < 1 or self.max_len < 2:
             raise ValueError(f"engine needs max_slots >= 1 and max_len >= 2, got {self.max_slots}, {self.max_len}")
+        if self.rounds_per_call < 1:
+            raise ValueError(f"engine 'rounds_per_call': expected >= 1, got {self.rounds_per_call}")
         if self.max_stop_tokens < 1:
             raise ValueError(f"engine 'max_stop_tokens': expected >= 1, got {self.max_stop_tokens}")
 
@@ -180,20 +185,21 @@ class _Live:
     result: Result
     slot: int
     length: int  # committed positions read so far (prompt + tokens - 1)
-    in_flight: int = 0  # dispatched programs whose output is not read yet (each emits >= 1 token if running)
+    in_flight: int = 0  # dispatched rounds whose output is not read yet (each emits >= 1 token if running)
 
 
 @dataclasses.dataclass
 class _Pending:
     kind: str  # "admit" | "spec" | "plain"
-    delta: ds.Delta
+    delta: ds.Delta  # leaves [rounds, ...]
     owners: tuple  # engine id per slot at dispatch (None = free)
     emitting: frozenset  # engine ids counted in their _Live.in_flight
+    rounds: int  # rounds in the program (each emits >= 1 token for a running row)
 
 
 class Engine:
     def __init__(self, model: sr.SpecModel, weights: sr.Weights, config: EngineConfig = EngineConfig(),
-                 cost_table: CostTable | None = None):
+                 cost_table: CostTable | None = None, mesh=None):
         if config.mode in ("sync", "async") and cost_table is None and config.profile_on_start:
             from dspark_jax.serve.profile import profile_cost_table
 
@@ -208,6 +214,9 @@ class Engine:
             raise ValueError(f"engine mode 'fixed' needs num_verify in [0, {model.block_size}], "
                              f"got {config.num_verify}")
         self.model, self.weights, self.config, self.cost_table = model, weights, config, cost_table
+        self.mesh = mesh
+        if mesh is not None:  # parameters by their logical names; the decode state by slot (at allocation)
+            self.weights = jax.device_put(weights, ds.weight_shardings(model, weights, mesh))
         self.k = model.block_size
         self.vocab = model.backbone.vocab_size
         self.metrics = Metrics(self.k)
@@ -298,7 +307,7 @@ class Engine:
         t0 = time.perf_counter()
         events, self._events = self._events, []
         if self._state is None:
-            self._state = ds.init(self.model, self.config.max_slots, self.config.max_len, self.config.max_stop_tokens)
+            self._state = self._allocate()
         self._admit_waiting()
         dispatched = self._dispatch_round()
         waited = 0.0
@@ -306,6 +315,13 @@ class Engine:
             waited += self._read(self._pending.popleft(), events)
         self.metrics.host_s += time.perf_counter() - t0 - waited
         return events
+
+    def _allocate(self) -> ds.DecodeState:
+        cfg = self.config
+        state = ds.init(self.model, cfg.max_slots, cfg.max_len, cfg.max_stop_tokens)
+        if self.mesh is not None:
+            state = jax.device_put(state, ds.state_shardings(self.model, state, cfg.max_len, self.mesh))
+        return state
 
     def stream(self) -> Iterator[Event]:
         """Events until every submitted request has finished."""
@@ -357,7 +373,7 @@ class Engine:
                                cfg.min_prompt_bucket)
         self._state, delta = ds.ADMIT(self.model, self.weights, self._state, jax.device_put(rows),
                                       max_len=cfg.max_len)
-        self._push("admit", delta, [lv.id for lv in joining])
+        self._push("admit", jax.tree.map(lambda x: x[None], delta), 1, [lv.id for lv in joining])
 
     # ---- rounds -------------------------------------------------------------------------------
     def _dispatch_round(self) -> bool:
@@ -365,8 +381,12 @@ class Engine:
         if not running:
             return False
         cfg = self.config
+        # A full call only when no row is certain to finish inside it (nothing then idles on a finished
+        # row); else one round. Two call lengths keep the compiled programs few.
+        full = min(self._rounds_left(lv) for lv in running) >= cfg.rounds_per_call
+        rounds = cfg.rounds_per_call if full else 1
         if cfg.mode == "plain":
-            self._dispatch_plain(ingest_draft=False)
+            self._dispatch_plain(rounds, ingest_draft=False)
             return True
         most = max(self._cap_bound(lv) for lv in running)
         if cfg.mode == "fixed":
@@ -374,38 +394,46 @@ class Engine:
         elif cfg.mode == "async":
             most = min(most, self._capacity or 0)  # none read yet: a probe round (width 1)
             if self._capacity == 0 and self._plain_run < self._probe_every:
-                self._dispatch_plain(ingest_draft=True)
+                self._dispatch_plain(rounds, ingest_draft=True)
                 self._plain_run += 1
                 return True
+            if self._capacity == 0 or self._capacity is None:
+                rounds = 1  # a probe: its confidences are what the next decision needs
         self._plain_run = 0
         width = next(w for w in self.width_buckets if w >= 1 + most)
         mode = "fixed" if cfg.mode in ("off", "fixed") else cfg.mode
         filtering = any(lv.request.top_k > 0 or lv.request.top_p < 1 for lv in running)
-        self._state, delta = ds.SPEC_ROUND(
-            self.model, self.weights, self._state, self.cost_table, max_len=cfg.max_len, width=width, mode=mode,
-            num_verify=self.k if mode == "fixed" else None, min_gain=cfg.min_gain, filtering=filtering)
-        self._push("spec", delta)
+        self._state, delta = ds.SPEC_ROUNDS(
+            self.model, self.weights, self._state, self.cost_table, rounds=rounds, max_len=cfg.max_len, width=width,
+            mode=mode, num_verify=self.k if mode == "fixed" else None, min_gain=cfg.min_gain, filtering=filtering)
+        self._push("spec", delta, rounds)
         return True
 
-    def _dispatch_plain(self, ingest_draft: bool) -> None:
-        self._state, delta = ds.PLAIN_ROUND(self.model, self.weights, self._state, max_len=self.config.max_len,
-                                            ingest_draft=ingest_draft)
-        self._push("plain", delta)
+    def _dispatch_plain(self, rounds: int, ingest_draft: bool) -> None:
+        self._state, delta = ds.PLAIN_ROUNDS(self.model, self.weights, self._state, rounds=rounds,
+                                             max_len=self.config.max_len, ingest_draft=ingest_draft)
+        self._push("plain", delta, rounds)
 
-    def _push(self, kind: str, delta: ds.Delta, emitting: list[int] | None = None) -> None:
+    def _push(self, kind: str, delta: ds.Delta, rounds: int, emitting: list[int] | None = None) -> None:
         """Queue a dispatched program's output for reading; `emitting` (default: every owned slot) are
-        the requests it emits at least one token for while they run."""
+        the requests each of its `rounds` emits at least one token for while they run."""
         for x in jax.tree.leaves(delta):
             x.copy_to_host_async()
         emitting = [rid for rid in self._owner if rid is not None] if emitting is None else emitting
         for rid in emitting:
-            self._live[rid].in_flight += 1
-        self._pending.append(_Pending(kind, delta, tuple(self._owner), frozenset(emitting)))
+            self._live[rid].in_flight += rounds
+        self._pending.append(_Pending(kind, delta, tuple(self._owner), frozenset(emitting), rounds))
 
     def _surely_done(self, lv: _Live) -> bool:
         """The row finished on device whatever the unread programs emitted (each emits >= 1 token)."""
         emitted = len(lv.result.tokens) + lv.in_flight
         return emitted >= lv.request.max_tokens or lv.length + lv.in_flight + 2 >= self.config.max_len
+
+    def _rounds_left(self, lv: _Live) -> int:
+        """Rounds the row surely runs before its budget or the cache end (each emits >= 1 token)."""
+        left = lv.request.max_tokens - len(lv.result.tokens) - lv.in_flight
+        room = self.config.max_len - 2 - (lv.length + lv.in_flight)
+        return min(left, room)
 
     def _cap_bound(self, lv: _Live) -> int:
         """An upper bound of the drafts the row may verify next (the device clips to the exact cap)."""
@@ -415,12 +443,19 @@ class Engine:
 
     # ---- read-back ----------------------------------------------------------------------------
     def _read(self, pending: _Pending, events: list[Event]) -> float:
-        """Apply one program's output; -> seconds spent waiting for the device."""
+        """Apply one program's output (each of its rounds in order); -> seconds spent waiting for the device."""
         t0 = time.perf_counter()
-        d = jax.device_get(pending.delta)
+        deltas = jax.device_get(pending.delta)
         waited = time.perf_counter() - t0
-        owners = pending.owners
-        active = np.asarray(d.num_emitted) > 0
+        for r in range(pending.rounds):
+            self._apply(pending, jax.tree.map(lambda x: x[r], deltas), events)
+        for rid in pending.emitting:
+            if rid in self._live:
+                self._live[rid].in_flight -= pending.rounds
+        return waited
+
+    def _apply(self, pending: _Pending, d: ds.Delta, events: list[Event]) -> None:
+        active = d.num_emitted > 0
         if pending.kind == "admit":
             self.metrics.first_tokens += int(active.sum())
         else:
@@ -428,19 +463,15 @@ class Engine:
         if pending.kind == "spec" and self.config.record_rounds:
             for name, col in (("logits", d.conf_logits), ("num_verified", d.num_verify),
                               ("num_accepted", d.num_accepted)):
-                self.records[name].append(np.asarray(col)[active])
+                self.records[name].append(col[active])
         if pending.kind == "spec" and self.config.mode == "async":
             self._update_capacity(int(d.capacity))
-        for s, rid in enumerate(owners):
-            if rid is None:
-                continue
+        for s in np.flatnonzero(active | (d.finish > 0)):
+            rid = pending.owners[s]
             lv = self._live.get(rid)
-            if lv is None:  # cancelled while this program was in flight
+            if lv is None:  # a free slot, or cancelled while this program was in flight
                 continue
-            lv.in_flight -= rid in pending.emitting
             n = int(d.num_emitted[s])
-            if n == 0 and not d.finish[s]:
-                continue
             toks = d.tokens[s, :n].tolist()
             lv.result.tokens += toks
             lv.length += n
@@ -454,7 +485,6 @@ class Engine:
                 if self._owner[lv.slot] == rid:
                     self._owner[lv.slot] = None
             events.append(Event(rid, lv.request.id, toks, reason, result=lv.result if reason else None))
-        return waited
 
     def _update_capacity(self, capacity: int) -> None:
         """Async: the capacity read back; a zero after a probe doubles the probe interval (bounded)."""

@@ -56,3 +56,33 @@ def profile_cost_table(model: sr.SpecModel, weights: sr.Weights, *, slots: int, 
         batch_tokens.append(slots * w)
         sps.append(1.0 / round_seconds(engine, requests, repeats=repeats))
     return CostTable(np.asarray(batch_tokens), np.asarray(sps, np.float32), max_batch_tokens=slots * (k + 1))
+
+
+def cached_cost_table(bundle, *, slots: int, max_len: int, progress: bool = True) -> tuple[CostTable, str]:
+    """The bundle's cost table for this platform, slot count and cache length: measured once, then read
+    back. Stored beside the bundle (`<bundle>/cost_tables/`) when that folder is writable, else under
+    ~/.cache/dspark_jax/. -> (table, where it came from)."""
+    import hashlib
+    import os
+    from pathlib import Path
+
+    import jax
+
+    name = f"{jax.devices()[0].platform}_{slots}x{max_len}.json"
+    places = []
+    if bundle.path is not None:
+        places.append(Path(bundle.path) / "cost_tables")
+        digest = hashlib.sha1(str(Path(bundle.path).resolve()).encode()).hexdigest()[:12]
+        places.append(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dspark_jax" / digest)
+    for place in places:
+        if (place / name).is_file():
+            return CostTable.from_json(place / name), f"cached {place / name}"
+    table = profile_cost_table(bundle.model, bundle.weights, slots=slots, max_len=max_len, progress=progress)
+    for place in places:
+        try:
+            place.mkdir(parents=True, exist_ok=True)
+            table.to_json(place / name)
+            return table, f"measured now, cached at {place / name}"
+        except OSError:
+            continue
+    return table, "measured now (no writable cache folder)"

@@ -31,7 +31,8 @@ def test_requests_join_leave_and_cancel_mid_run_greedy_equals_plain():
     queued, one that stops on a stop id: the rest are plain decoding token for token."""
     want = _want()
     eng = _engine()
-    ids = {eng.submit(Request(p, max_tokens=30 + 4 * i, id=i)): i for i, p in enumerate(prompts(4, seed=1))}
+    budget = {i: 120 if i == 1 else 30 + 4 * i for i in range(4)}
+    ids = {eng.submit(Request(p, max_tokens=budget[i], id=i)): i for i, p in enumerate(prompts(4, seed=1))}
     got = {i: [] for i in range(8)}
     finish = {}
     steps = 0
@@ -48,19 +49,20 @@ def test_requests_join_leave_and_cancel_mid_run_greedy_equals_plain():
                 stop = (int(want[i, 5]),) if i == 5 else ()
                 ids[eng.submit(Request(p, max_tokens=12, stop_tokens=stop, id=i))] = i
             victim_queued = max(ids)
-        if steps == 4:
+            assert eng.cancel(victim_queued)  # still in the queue: the slots are busy
+        if 1 not in finish and len(got[1]) >= 10:
             running = next(rid for rid, i in ids.items() if i == 1)
-            assert eng.cancel(running) and eng.cancel(victim_queued)
+            assert eng.cancel(running)
             assert not eng.cancel(running)  # already cancelled
     assert finish[1] == "cancelled" and finish[ids[victim_queued]] == "cancelled"
     assert got[ids[victim_queued]] == []
     assert got[1] == want[1, :len(got[1])].tolist()
     first_stop = list(want[5]).index(want[5, 5])
     assert finish[5] == "stop" and got[5] == want[5, :first_stop + 1].tolist()
+    assert 10 <= len(got[1]) < 120
     for i in (0, 2, 3, 4, 6):
         assert finish[i] == "length", (i, finish[i])
-        n = 30 + 4 * i if i < 4 else 12
-        assert got[i] == want[i, :n].tolist(), i
+        assert got[i] == want[i, :budget.get(i, 12)].tolist(), i
 
 
 def test_async_scheduler_falls_back_to_plain_steps_and_stays_exact():
@@ -94,13 +96,13 @@ def test_steady_state_rounds_move_no_data_host_to_device_and_keep_one_round_in_f
     sampling parameters, seeds, budgets and stop ids already live there."""
     eng = _engine(mode, slots=2)
     for i, p in enumerate(prompts(2, seed=1)):
-        eng.submit(Request(p, max_tokens=60, id=i))
+        eng.submit(Request(p, max_tokens=150, id=i))
     eng.step()
     eng.step()
     with jax.transfer_guard_host_to_device("disallow_explicit"), jax.transfer_guard_device_to_host("disallow"):
         for _ in range(4):
             events = eng.step()
-            assert [len(e.tokens) > 0 for e in events] == [True, True]
+            assert {e.request_id for e in events} == {0, 1} and all(e.tokens for e in events)
             assert eng.in_flight == 1
     eng.cancel_all()
     while not eng.idle:
@@ -117,3 +119,28 @@ def test_bad_request_is_refused_at_submit_and_the_engine_keeps_serving():
     out = [ev for ev in eng.stream() if ev.id == good]
     assert out[-1].finish_reason == "length" and sum(len(e.tokens) for e in out) == 5
     assert not eng.cancel(good) and not eng.cancel(12345)
+
+
+@pytest.mark.slow
+def test_engine_on_eight_devices_emits_the_one_device_tokens():
+    """The engine on a 2 (data) x 4 (expert) mesh of CPU devices: the draft's experts sharded over
+    `expert`, the slots over `data`; greedy tokens and acceptance equal the one-device engine's. (The
+    draft runs without its fp8 KV rounding: sharded sums round differently in the last bits, and the
+    rounding could turn that into a different, equally valid, draft; see test_draft.)"""
+    from dspark_jax.parallel import make_mesh
+
+    assert jax.device_count() >= 8
+    bb, weights = family("mhc")
+    model = sr.SpecModel(bb, CFG.replace(kv_fp8=False), impl="xla")
+    reqs = [Request(p, max_tokens=16, id=i) for i, p in enumerate(prompts(4, seed=1))]
+    cfg = EngineConfig(mode="off", max_slots=4, max_len=MAXLEN, progress=False)
+    one_device = Engine(model, weights, cfg)
+    one = one_device.generate(reqs)
+    mesh = make_mesh(data=2, expert=4)
+    eng = Engine(model, weights, cfg, mesh=mesh)
+    eight = eng.generate(reqs)
+    experts = [x for x in jax.tree.leaves(eng.weights.draft) if "expert" in str(x.sharding.spec)]
+    assert experts, "no draft parameter is sharded over the expert axis"
+    assert [r.tokens for r in eight] == [r.tokens for r in one]
+    assert [r.tokens for r in one] == [_want()[i, :16].tolist() for i in range(4)]
+    assert eng.metrics.emitted == one_device.metrics.emitted and eng.metrics.rounds == one_device.metrics.rounds

@@ -10,7 +10,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "schedule": ("dspark_jax.bench.schedule", "scheduler throughput simulation vs concurrency"),
     "kernels": ("dspark_jax.bench.kernels", "Pallas kernels vs their jnp references"),
     "convert": ("dspark_jax.bench.convert", "checkpoint conversion MB/s and peak RSS"),
-    "decode": ("dspark_jax.bench.decode", "speculative vs plain decoding tokens/s"),
+    "decode": ("dspark_jax.bench.decode", "speculative vs plain decoding tokens/s, engine efficiency, peers"),
+    "serve": ("dspark_jax.bench.serve", "closed-loop concurrency sweep: plain, static verify lengths, sync, async"),
     "acceptance": ("dspark_jax.bench.acceptance", "tau and per-position acceptance of the embedded drafts"),
 }
 

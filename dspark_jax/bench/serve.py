@@ -1,0 +1,145 @@
+"""`dspark bench serve`: a closed-loop concurrency sweep on the real engine.
+
+For each concurrency c (default 1, 4, 16, 64), c clients keep one request each in flight: when a
+request finishes its client submits the next, until `--requests-per-client` x c requests are served.
+Prompts are the bundle's held-out prompts cut to mixed lengths, output lengths are mixed too (the
+same workload, seeded, for every engine). The engine has c slots and runs, in turn:
+  * plain        no draft (mode "plain");
+  * static l     every round verifies l drafts (mode "fixed", l in --static, default 1..K);
+  * sync, async  the DSpark schedulers on this machine's cost table for c slots (measured once and
+                 cached beside the bundle, `serve.profile.cached_cost_table`).
+Each engine serves the workload twice, the first run compiling; the second is timed. Printed: tokens/s
+and mean drafts verified per request-round per concurrency, async / best static, async / plain; a
+plot with tokens/s against concurrency goes to --plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+from dspark_jax.serve.cli_common import add_model_arguments, load_model
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--concurrency", default="1,4,16,64", help="comma-separated client counts")
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--min-tokens", type=int, default=16, help="shortest output (tokens)")
+    parser.add_argument("--max-tokens", type=int, default=96, help="longest output (tokens)")
+    parser.add_argument("--max-prompt", type=int, default=128, help="longest prompt (tokens)")
+    parser.add_argument("--max-len", type=int, default=256)
+    parser.add_argument("--static", default=None, help="static verify lengths to run (default 1..K)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--plot", default="bench_serve.png")
+    parser.add_argument("--json", default=None)
+
+
+def workload(bundle, n: int, args, seed: int = 0):
+    """n requests with mixed prompt and output lengths (seeded: every engine gets the same ones)."""
+    from dspark_jax.bench.decode import bench_prompts
+    from dspark_jax.serve.engine import Request
+
+    rng = np.random.default_rng(seed)
+    prompts = bench_prompts(bundle, n, max_prompt_tokens=args.max_prompt)
+    reqs = []
+    for i, p in enumerate(prompts):
+        keep = int(rng.integers(max(1, len(p) // 4), len(p) + 1))
+        reqs.append(Request(p[-keep:], max_tokens=int(rng.integers(args.min_tokens, args.max_tokens + 1)),
+                            temperature=args.temperature, seed=i, id=i))
+    return reqs
+
+
+def closed_loop(engine, requests, concurrency: int) -> float:
+    """Serve `requests` keeping `concurrency` in flight (a finish submits the next); -> wall seconds."""
+    from dspark_jax.serve.engine import Metrics
+
+    engine.metrics = Metrics(engine.k)
+    queue = list(requests)
+    t0 = time.perf_counter()
+    for _ in range(min(concurrency, len(queue))):
+        engine.submit(queue.pop(0))
+    while not engine.idle:
+        for ev in engine.step():
+            if ev.finish_reason and queue:
+                engine.submit(queue.pop(0))
+    wall = time.perf_counter() - t0
+    engine.metrics.wall_s = wall
+    return wall
+
+
+def run(args: argparse.Namespace) -> int:
+    from dspark_jax.serve.engine import Engine, EngineConfig
+    from dspark_jax.serve.profile import cached_cost_table
+
+    bundle = load_model(args)
+    model, weights = bundle.model, bundle.weights
+    k = model.block_size
+    statics = [int(x) for x in args.static.split(",")] if args.static else list(range(1, k + 1))
+    rows = []
+    for c in [int(x) for x in args.concurrency.split(",")]:
+        reqs = workload(bundle, c * args.requests_per_client, args)
+        table, where = cached_cost_table(bundle, slots=c, max_len=args.max_len, progress=False)
+        print(f"concurrency {c}: {len(reqs)} requests, cost table {where}", flush=True)
+        base = dict(max_slots=c, max_len=args.max_len, progress=False)
+        engines = {"plain": (EngineConfig(mode="plain", **base), None)}
+        engines.update({f"static {n}": (EngineConfig(mode="fixed", num_verify=n, **base), None) for n in statics})
+        engines["sync"] = (EngineConfig(mode="sync", **base), table)
+        engines["async"] = (EngineConfig(mode="async", **base), table)
+        row = {"concurrency": c, "tok_s": {}, "mean_verify": {}}
+        for name, (cfg, tab) in engines.items():
+            engine = Engine(model, weights, cfg, cost_table=tab)
+            closed_loop(engine, reqs, c)  # compiles
+            closed_loop(engine, reqs, c)
+            row["tok_s"][name] = engine.metrics.tokens_per_s
+            row["mean_verify"][name] = engine.metrics.mean_verify
+            print(f"  {name:9s} {engine.metrics.tokens_per_s:8.1f} tok/s  verify/round "
+                  f"{engine.metrics.mean_verify:5.2f}  tau {engine.metrics.tau:5.2f}", flush=True)
+        rows.append(row)
+    print_table(rows, statics)
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"plot: {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def print_table(rows, statics) -> None:
+    names = ["plain"] + [f"static {n}" for n in statics] + ["sync", "async"]
+    print("\ntokens/s (mean drafts verified per request-round)")
+    print(f"{'conc':>4} " + " ".join(f"{n:>13}" for n in names) + f" {'async/best-static':>17} {'async/plain':>11}")
+    for r in rows:
+        best = max(r["tok_s"][f"static {n}"] for n in statics)
+        cells = " ".join(f"{r['tok_s'][n]:>7.0f} ({r['mean_verify'][n]:>3.1f})" for n in names)
+        print(f"{r['concurrency']:>4} {cells} {r['tok_s']['async'] / best:>17.2f} "
+              f"{r['tok_s']['async'] / r['tok_s']['plain']:>11.2f}")
+    import jax
+
+    print(f"({jax.devices()[0].platform.upper()} figures; closed loop, one timed run after a compile run)")
+
+
+def plot(rows, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    conc = [r["concurrency"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in rows[0]["tok_s"]:
+        style = dict(lw=2.5) if name in ("async", "plain", "sync") else dict(lw=1, alpha=0.6, ls="--")
+        ax.plot(conc, [r["tok_s"][name] for r in rows], marker="o", label=name, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(conc, [str(c) for c in conc])
+    ax.set_xlabel("concurrent requests (closed loop)")
+    ax.set_ylabel("tokens / s")
+    ax.set_title("serving throughput by verify policy")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
