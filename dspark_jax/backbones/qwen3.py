@@ -356,11 +356,11 @@ def _check_cache_args(batch, max_len, max_positions):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _t(w: np.ndarray) -> np.ndarray:
+def transposed(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w.T)
 
 
-def _same(w: np.ndarray) -> np.ndarray:
+def unchanged(w: np.ndarray) -> np.ndarray:
     return w
 
 
@@ -369,17 +369,17 @@ def hf_layer_map(cfg: Qwen3Config) -> list[tuple[str, tuple[str, str], tuple[int
     d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     h, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     return [
-        ("input_layernorm.weight", ("attn_norm", "scale"), (d,), _same),
-        ("self_attn.q_proj.weight", ("q_proj", "kernel"), (h, d), _t),
-        ("self_attn.k_proj.weight", ("k_proj", "kernel"), (kv, d), _t),
-        ("self_attn.v_proj.weight", ("v_proj", "kernel"), (kv, d), _t),
-        ("self_attn.o_proj.weight", ("o_proj", "kernel"), (d, h), _t),
-        ("self_attn.q_norm.weight", ("q_norm", "scale"), (hd,), _same),
-        ("self_attn.k_norm.weight", ("k_norm", "scale"), (hd,), _same),
-        ("post_attention_layernorm.weight", ("ffn_norm", "scale"), (d,), _same),
-        ("mlp.gate_proj.weight", ("gate_proj", "kernel"), (f, d), _t),
-        ("mlp.up_proj.weight", ("up_proj", "kernel"), (f, d), _t),
-        ("mlp.down_proj.weight", ("down_proj", "kernel"), (d, f), _t),
+        ("input_layernorm.weight", ("attn_norm", "scale"), (d,), unchanged),
+        ("self_attn.q_proj.weight", ("q_proj", "kernel"), (h, d), transposed),
+        ("self_attn.k_proj.weight", ("k_proj", "kernel"), (kv, d), transposed),
+        ("self_attn.v_proj.weight", ("v_proj", "kernel"), (kv, d), transposed),
+        ("self_attn.o_proj.weight", ("o_proj", "kernel"), (d, h), transposed),
+        ("self_attn.q_norm.weight", ("q_norm", "scale"), (hd,), unchanged),
+        ("self_attn.k_norm.weight", ("k_norm", "scale"), (hd,), unchanged),
+        ("post_attention_layernorm.weight", ("ffn_norm", "scale"), (d,), unchanged),
+        ("mlp.gate_proj.weight", ("gate_proj", "kernel"), (f, d), transposed),
+        ("mlp.up_proj.weight", ("up_proj", "kernel"), (f, d), transposed),
+        ("mlp.down_proj.weight", ("down_proj", "kernel"), (d, f), transposed),
     ]
 
 
@@ -425,7 +425,7 @@ def load_qwen3_hf(path: str | Path, **overrides) -> tuple[Qwen3Config, dict]:
 
     pd = np.dtype(as_dtype(cfg.param_dtype))
 
-    def read(name, transform=_same):
+    def read(name, transform=unchanged):
         dtype = reader.info(name).dtype
         if dtype not in ("F32", "F16", "BF16"):
             raise CheckpointError(f"{path}: tensor '{name}' has dtype {dtype}, expected F32, F16 or BF16")
