@@ -23,8 +23,10 @@ def markov_bias(prev: jax.Array, w1: jax.Array, w2: jax.Array) -> tuple[jax.Arra
 
 def draft_noise(seeds: jax.Array, first_position: jax.Array, block: int, vocab: int) -> jax.Array:
     """The Gumbel noise of draft tokens 1..K, f32[B, K, V] (keys (seed, first_position + k - 1, DRAFT))."""
-    per_k = [sampling.gumbel(seeds, first_position + k, sampling.Stream.DRAFT, vocab) for k in range(block)]
-    return jnp.stack(per_k, axis=1)
+    first_position = jnp.asarray(first_position)
+    positions = first_position[:, None] + jnp.arange(block, dtype=first_position.dtype)[None, :]
+    return sampling.gumbel(jnp.broadcast_to(seeds[:, None], positions.shape), positions, sampling.Stream.DRAFT,
+                           vocab)
 
 
 def markov_sample_loop(base: jax.Array, anchor: jax.Array, w1: jax.Array | None, w2: jax.Array | None,
@@ -37,8 +39,10 @@ def markov_sample_loop(base: jax.Array, anchor: jax.Array, w1: jax.Array | None,
                             for i in range(k)], axis=1)
         return tokens, base, jnp.zeros((b, k, 0), base.dtype)
     if not filtering:
-        # Temperature-only sampling: the fused sampler (Pallas on TPU) draws with the same noise.
-        noise = draft_noise(seeds, first_position, k, v)
+        # Temperature-only sampling: the fused sampler (Pallas on TPU) draws with the same noise. Greedy
+        # rows ignore their noise, so a batch of greedy rows alone draws none.
+        noise = jax.lax.cond(jnp.all(params.temperature <= 0.0), lambda: jnp.zeros((b, k, v), jnp.float32),
+                             lambda: draft_noise(seeds, first_position, k, v))
         tokens, _, emb, logits = markov_sample(base, anchor, w1, w2, params.temperature, noise,
                                                return_logits=True, impl=impl)
         return tokens, logits, emb

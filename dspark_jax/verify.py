@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.sampling import SamplingParams, Stream, gumbel, process_logits, uniform
+from dspark_jax.sampling import SamplingParams, Stream, first_argmax, gumbel, process_logits, uniform
 
 # Below this residual mass p and q agree up to float rounding, so the rejection that led here was a
 # rounding artefact (rejection probability = residual mass): draw from p instead of from the rounding
@@ -124,7 +124,7 @@ def _verify_and_accept(target_logits, draft_tokens, draft_logits, num_verify, pa
         # Gumbel-max needs no normalisation; log(0) = -inf removes the tokens the residual excludes.
         emit_logits = jnp.where(use_residual[:, None], jnp.log(residual), p_logits)
     noise = gumbel(seeds, positions + n, resample_stream, V)
-    emitted = jnp.argmax(emit_logits + noise, axis=-1).astype(jnp.int32)
+    emitted = first_argmax(emit_logits + noise)
 
     cols = jnp.arange(K + 1)
     drafts_padded = jnp.concatenate([draft_tokens.astype(jnp.int32), jnp.full((R, 1), -1, jnp.int32)], axis=1)

@@ -103,8 +103,16 @@ def markov_sample_reference(base_logits: jax.Array, anchor: jax.Array, w1: jax.A
         lq = jnp.where(greedy[:, 0], 0.0, lq)
         return tok, (tok, lq, e, biased if return_logits else None)
 
+    def greedy_step(prev, k):  # `step` when every row is greedy: z = biased, logq = 0, noise unread
+        e = jnp.take(w1, prev, axis=0)
+        base_k = lax.dynamic_index_in_dim(base_logits, k, axis=1, keepdims=False).astype(f32)
+        biased = base_k + jnp.einsum("br,vr->bv", e.astype(f32), w2f, precision=lax.Precision.HIGHEST)
+        tok = jnp.argmax(biased, axis=-1).astype(jnp.int32)
+        return tok, (tok, jnp.zeros(tok.shape, f32), e, biased if return_logits else None)
+
     k_steps = base_logits.shape[1]
-    _, (toks, logqs, embs, logits) = lax.scan(step, anchor.astype(jnp.int32), jnp.arange(k_steps, dtype=jnp.int32))
+    scan = lambda body: lax.scan(body, anchor.astype(jnp.int32), jnp.arange(k_steps, dtype=jnp.int32))  # noqa: E731
+    _, (toks, logqs, embs, logits) = lax.cond(jnp.all(greedy), lambda: scan(greedy_step), lambda: scan(step))
     sw = lambda x: None if x is None else jnp.swapaxes(x, 0, 1)  # noqa: E731  [K, B, ..] -> [B, K, ..]
     return sw(toks), sw(logqs), sw(embs), sw(logits)
 

@@ -11,7 +11,7 @@ from oracles import np_fp8_round_rows, np_rms_norm, np_rope
 from spec_helpers import assert_within_one_fp8_step
 from test_nn import np_hc_mixes
 
-from dspark_jax import draft, sampling
+from dspark_jax import draft, heads, sampling
 from dspark_jax.config import DSparkConfig
 from dspark_jax.nn.attention import WindowAttention
 
@@ -272,6 +272,35 @@ def test_fused_sampler_path_equals_generic_loop():
         np.testing.assert_array_equal(out.tokens, ref.tokens)
         np.testing.assert_allclose(out.logits, ref.logits, atol=1e-5)
         np.testing.assert_allclose(out.conf_logits, ref.conf_logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("filtering", [False, True])
+def test_greedy_rows_propose_the_same_in_an_all_greedy_batch(filtering):
+    """An all-greedy batch skips the draft noise (and the logits processing): its rows propose, bit for
+    bit, what the same greedy rows propose next to sampled (and filtered) rows, in the same program."""
+    params, tied = tiny()
+    st = _state(params, [4, 30, 17])
+    anchor, seeds = jnp.array([3, 4, 5]), jnp.array([7, 8, 9], jnp.uint32)
+    prop = jax.jit(lambda sp: draft.propose(params, tied, CFG, st, anchor, sp, seeds, impl="xla",
+                                            filtering=filtering))
+    alone = prop(sampling.SamplingParams.greedy(3))
+    mixed = prop(sampling.SamplingParams.make(3, temperature=[0.0, 1.0, 0.0], top_k=[0, 5 if filtering else 0, 0]))
+    for name in ("tokens", "logits", "conf_logits", "markov_emb", "hidden"):
+        a, b = np.asarray(getattr(alone, name))[[0, 2]], np.asarray(getattr(mixed, name))[[0, 2]]
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
+    np.testing.assert_array_equal(np.asarray(alone.tokens), np.argmax(np.asarray(alone.logits), -1))
+
+
+def test_draft_noise_is_the_keyed_gumbel_of_each_draft_position():
+    """Draft token k's noise is gumbel(seed, first_position + k - 1, DRAFT), whatever the batch."""
+    seeds = jnp.array([7, 8, 9], jnp.uint32)
+    first = jnp.array([5, 31, -2], jnp.int32)
+    noise = np.asarray(jax.jit(lambda s, f: heads.draft_noise(s, f, 4, 33))(seeds, first))
+    assert noise.shape == (3, 4, 33)
+    for k in range(4):
+        keys = sampling.request_keys(seeds, first + k, sampling.Stream.DRAFT)
+        want = jax.vmap(lambda key: jax.random.gumbel(key, (33,), jnp.float32))(keys)
+        np.testing.assert_array_equal(noise[:, k].view(np.uint32), np.asarray(want).view(np.uint32))
 
 
 def test_expert_parallel_equals_one_device():

@@ -229,6 +229,79 @@ def test_keys_depend_on_seed_position_and_stream_only():
     np.testing.assert_array_equal(keys, traced)
 
 
+def _bits(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+def test_gumbel_is_jax_random_gumbel_bit_for_bit(monkeypatch):
+    """gumbel() is jax.random.gumbel(request_keys(seeds, positions, stream)[r], (V,)) bit for bit: the
+    fused threefry path (any leading shape, negative positions, a traced stream, odd vocabularies) and
+    the jax.random fallback used in any other jax configuration."""
+    assert sampling._fused_threefry_matches_jax()  # the default configuration takes the fused path
+    rng = np.random.default_rng(5)
+    seeds = jnp.asarray(rng.integers(0, 2**32, (3, 4), dtype=np.uint64).astype(np.uint32))
+    pos = jnp.asarray(rng.integers(-2**31, 2**31 - 1, (3, 4)), jnp.int32)
+
+    def want(v, stream, s=seeds, p=pos):
+        keys = request_keys(s.reshape(-1), p.reshape(-1), stream)
+        return jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys).reshape(s.shape + (v,))
+
+    for v in (1, 7, 300):
+        for stream in Stream:
+            np.testing.assert_array_equal(_bits(_gumbel(seeds, pos, stream, v)), _bits(want(v, stream)))
+    traced = jax.jit(lambda st: gumbel(seeds, pos, st, 7))(jnp.int32(Stream.ACCEPT))
+    np.testing.assert_array_equal(_bits(traced), _bits(want(7, Stream.ACCEPT)))
+    # many draws (the extremes of the uniform included by chance): 2 x 129280 values
+    np.testing.assert_array_equal(_bits(_gumbel(seeds[0, :2], pos[0, :2], Stream.DRAFT, 129280)),
+                                  _bits(want(129280, Stream.DRAFT, seeds[0, :2], pos[0, :2])))
+    monkeypatch.setattr(sampling, "_fused_threefry_matches_jax", lambda: False)
+    fallback = jax.jit(lambda s_, p_: gumbel(s_, p_, Stream.RESAMPLE, 7))(seeds, pos)
+    np.testing.assert_array_equal(_bits(fallback), _bits(want(7, Stream.RESAMPLE)))
+
+
+def test_first_argmax_is_jnp_argmax():
+    """first_argmax picks jnp.argmax's index: the first maximum (ties, -0.0 == 0.0, infinities), the first
+    NaN of a row with NaNs, any leading shape; also when the row is fused elementwise work (logits + noise)."""
+    rng = np.random.default_rng(2)
+    values = np.array([0.0, -0.0, 1.0, -1.0, 2.0, np.inf, -np.inf, np.nan], np.float32)
+    x = rng.choice(values, size=(64, 3, 11), p=[0.2, 0.2, 0.2, 0.15, 0.1, 0.05, 0.05, 0.05]).astype(np.float32)
+    x[0, 0] = -np.inf  # all -inf: index 0
+    x[1, 0] = np.nan
+    got = jax.jit(sampling.first_argmax)(jnp.asarray(x))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    logits = jnp.asarray(rng.normal(size=(8, 4096)), jnp.float32)
+    seeds, pos = jnp.arange(8, dtype=jnp.uint32), jnp.arange(8, dtype=jnp.int32)
+    fused = jax.jit(lambda l_: sampling.first_argmax(l_ + gumbel(seeds, pos, Stream.DRAFT, 4096)))(logits)
+    want = jax.jit(lambda l_: jnp.argmax(l_ + gumbel(seeds, pos, Stream.DRAFT, 4096), axis=-1))(logits)
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(want))
+
+
+def test_greedy_rows_sample_the_first_argmax_alone_and_in_any_batch():
+    """A greedy row draws argmax(logits) (first maximum): in an all-greedy batch (which skips the
+    processing and the noise) and next to sampled and filtered rows (argmax(processed + noise)), the
+    same token, including ties, -inf and +inf entries."""
+    logits = _mixed_logits(seed=4, shape=(10, 50))
+    logits[0, [3, 9]] = 10.0  # a tie: the first wins
+    logits[7, :] = -np.inf
+    logits[7, [20, 30]] = -1.0
+    logits[2, [5, 6]] = np.inf
+    rng = np.random.default_rng(1)
+    seeds = jnp.asarray(rng.integers(0, 2**31, 10), jnp.uint32)
+    pos = jnp.asarray(rng.integers(0, 1000, 10), jnp.int32)
+    x = jnp.asarray(logits)
+    want = np.argmax(logits, axis=-1)
+    assert want[0] == 3 and want[7] == 20 and want[2] == 5
+    alone = np.asarray(_sample(x, SamplingParams.greedy(10), seeds, pos, Stream.DRAFT))
+    np.testing.assert_array_equal(alone, want)
+    mixed = SamplingParams.make(10, **MIXED)  # rows 0 and 7 greedy, the others sampled with filters
+    np.testing.assert_array_equal(np.asarray(_sample(x, mixed, seeds, pos, Stream.DRAFT))[[0, 7]], want[[0, 7]])
+    # the general formula (what a mixed batch computes) for every row made greedy
+    greedy = SamplingParams.greedy(10)
+    general = jnp.argmax(_process(x, greedy) + _gumbel(seeds, pos, Stream.DRAFT, 50), axis=-1)
+    np.testing.assert_array_equal(np.asarray(general), want)
+
+
 def test_streams_are_uniform_and_uncorrelated():
     n = 50_000
     seeds = jnp.arange(n, dtype=jnp.uint32)
