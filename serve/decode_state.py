@@ -210,9 +210,14 @@ def spec_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, tab
     rs, out = sr.spec_round(model, weights, state.round, state.slots.params, state.slots.seeds, running,
                             width=width, mode=mode, num_verify=nv, draft_cap=jnp.maximum(caps, 0), table=table,
                             min_gain=min_gain, filtering=filtering)
-    capacity = jnp.int32(0) if table is None else async_capacity(out.conf, table, min_gain, caps)
-    return _after(state, rs, out.tokens, out.num_emitted, out.num_accepted, out.num_verify, out.conf_logits,
-                  capacity, max_len)
+    state, delta = _after(state, rs, out.tokens, out.num_emitted, out.num_accepted, out.num_verify,
+                          out.conf_logits, 0, max_len)
+    if table is not None:
+        # The capacity of a later round: every row still running then, each with all K drafts (its cap
+        # then is not known now; the round clips to it).
+        later = jnp.where(state.slots.running, model.block_size, -1)
+        delta = delta._replace(capacity=async_capacity(out.conf, table, min_gain, later))
+    return state, delta
 
 
 def plain_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, *, max_len: int,

@@ -25,8 +25,10 @@ row's cap that the device then clips exactly:
   * "off":   every draft verified;  "fixed": `num_verify` drafts;
   * "sync":  Algorithm 1 inside the round (width 1 + the largest cap: the lengths are unknown beforehand);
   * "async": capacity C from the confidences two rounds back, computed on device and read back with the
-             lag (width 1 + min(K, C)); when C = 0 the engine runs the plain step program instead (no
-             draft at all) and probes with a speculative round after 2, 4, .. 64 plain steps;
+             lag (width 1 + min(K, C)); when C = 0 it probes with a one-round speculative round after
+             2, 4, .. 64 plain steps (reset when requests join);
+In every mode a round with nothing to verify (width 1) runs the plain step program instead: the same
+tokens without the draft's cost (the draft still ingests the new position).
   * "plain": plain autoregressive decoding through the same loop (the baseline).
 A bad request (empty prompt, token out of range, prompt longer than the cache, bad sampling params) is
 refused by `submit` with a ValueError naming what is wrong (`generate` turns it into an error Result);
@@ -367,6 +369,9 @@ class Engine:
             joining.append(self._live[rid])
         if not joining:
             return
+        self._probe_every = 2  # new rows: their confidences are unknown, look again soon
+        if not any(lv.id not in {j.id for j in joining} for lv in self._live.values()):
+            self._capacity = None  # nobody else runs: the last capacity described other requests
         cfg = self.config
         rows = ds.joining_rows([lv.slot for lv in joining], [list(lv.request.prompt) for lv in joining],
                                [lv.request for lv in joining], cfg.max_slots, cfg.max_len, cfg.max_stop_tokens,
@@ -389,16 +394,21 @@ class Engine:
             self._dispatch_plain(rounds, ingest_draft=False)
             return True
         most = max(self._cap_bound(lv) for lv in running)
+        probe = False
         if cfg.mode == "fixed":
             most = min(most, cfg.num_verify)
         elif cfg.mode == "async":
-            most = min(most, self._capacity or 0)  # none read yet: a probe round (width 1)
-            if self._capacity == 0 and self._plain_run < self._probe_every:
-                self._dispatch_plain(rounds, ingest_draft=True)
-                self._plain_run += 1
-                return True
-            if self._capacity == 0 or self._capacity is None:
-                rounds = 1  # a probe: its confidences are what the next decision needs
+            most = min(most, self._capacity or 0)
+            # No capacity known yet, or 0 for a while: a one-round probe (width 1) whose confidences
+            # are what the next decision needs.
+            probe = self._capacity is None or (self._capacity == 0 and self._plain_run >= self._probe_every)
+            rounds = 1 if probe else rounds
+        if most == 0 and not probe:
+            # Nothing to verify: the plain step program (a width-1 round's tokens, without the draft's
+            # cost); the draft still ingests the new position.
+            self._dispatch_plain(rounds, ingest_draft=True)
+            self._plain_run += 1
+            return True
         self._plain_run = 0
         width = next(w for w in self.width_buckets if w >= 1 + most)
         mode = "fixed" if cfg.mode in ("off", "fixed") else cfg.mode

@@ -1,9 +1,11 @@
 """Measure the cost table (SPEC 6) on the serving engine itself, over the verify widths it compiles.
 
 SPS(B) is 1 / (median seconds per round) of an engine in mode "fixed" with `num_verify = width - 1`,
-every slot busy, in steady state (the overlapped loop: a step's wall time is the device's round time
-once the pipeline is full), so B = slots * width batch tokens and the draft pass is inside the timed
-round, as it should be when its cost matters. The table is made monotone by CostTable (with a warning)
+every slot busy, in steady state (the overlapped loop with the engine's rounds per call: a step's wall
+time is the device's time for its rounds once the pipeline is full), so B = slots * width batch tokens and the draft pass is
+inside the timed round, as it should be when its cost matters. Width 1 (nothing verified) is the plain
+step program, which is what the engine runs when it verifies nothing: Theta(0) is plain decoding's rate,
+so the scheduler speculates only when that is predicted to beat plain decoding. The table is made monotone by CostTable (with a warning)
 if noise demands it.
 """
 
@@ -19,16 +21,18 @@ from dspark_jax.schedule import CostTable
 
 
 def round_seconds(engine, requests, *, warmup: int = 3, repeats: int = 5) -> float:
-    """Median wall seconds of one engine step in steady state (every request running throughout)."""
+    """Median wall seconds per round of an engine in steady state (every request running throughout; a
+    step runs `rounds_per_call` rounds)."""
     for r in requests:
         engine.submit(r)
     for _ in range(warmup):
         engine.step()
     times = []
     for _ in range(repeats):
+        before = engine.metrics.rounds
         t0 = time.perf_counter()
         engine.step()
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0) / max(engine.metrics.rounds - before, 1))
     engine.cancel_all()  # the requests outlive the measurement on purpose
     while not engine.idle:
         engine.step()
@@ -43,16 +47,20 @@ def profile_cost_table(model: sr.SpecModel, weights: sr.Weights, *, slots: int, 
     k = model.block_size
     widths = sorted(set(widths or range(1, k + 2)))
     rng = np.random.default_rng(seed)
-    steps = 3 + repeats
-    if prompt_len + steps * (k + 1) + 2 >= max_len:
-        raise ValueError(f"profile: max_len {max_len} is too short for {steps} rounds of up to {k + 1} tokens "
+    # Rounds per call as the engine serves (its default), or fewer when the cache cannot hold that many
+    # rounds of up to K+1 tokens each (warm-up, timed and in-flight steps).
+    calls = 4 + repeats
+    per_call = min(EngineConfig.rounds_per_call, (max_len - prompt_len - 2) // (calls * (k + 1)))
+    if per_call < 1:
+        raise ValueError(f"profile: max_len {max_len} is too short for {calls} rounds of up to {k + 1} tokens "
                          f"after a {prompt_len}-token prompt")
     requests = [Request(rng.integers(0, model.backbone.vocab_size, prompt_len).tolist(), max_tokens=max_len,
                         temperature=1.0, seed=i) for i in range(slots)]
     batch_tokens, sps = [], []
     for w in tqdm(widths, desc="profiling verify widths", disable=not progress):
         engine = Engine(model, weights, EngineConfig(max_slots=slots, max_len=max_len, mode="fixed",
-                                                     num_verify=w - 1, progress=False))
+                                                     num_verify=w - 1, progress=False,
+                                                     rounds_per_call=per_call))
         batch_tokens.append(slots * w)
         sps.append(1.0 / round_seconds(engine, requests, repeats=repeats))
     return CostTable(np.asarray(batch_tokens), np.asarray(sps, np.float32), max_batch_tokens=slots * (k + 1))
