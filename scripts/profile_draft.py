@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +26,9 @@ import numpy as np
 
 def _time_ms(fn, repeats: int) -> tuple[float, float]:
     """(median, min) ms of `repeats` calls to completion, after two warm-up calls."""
-    jax.block_until_ready(fn())
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
+    from dspark_jax.bench.decode import call_seconds
+
+    times = call_seconds(fn, repeats, warmup=2)
     return float(np.median(times)) * 1e3, float(np.min(times)) * 1e3
 
 

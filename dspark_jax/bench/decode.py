@@ -51,14 +51,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
 
 
-def _median_time(fn, repeats):
-    jax.block_until_ready(fn())
+def call_seconds(fn, repeats: int, warmup: int = 1) -> np.ndarray:
+    """Seconds of `repeats` calls of `fn` to completion, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return np.asarray(times)
+
+
+def _median_time(fn, repeats):
+    return float(np.median(call_seconds(fn, repeats)))
 
 
 def bench_prompts(bundle, n, seed=0, max_prompt_tokens=128):
@@ -150,7 +156,6 @@ def timed_engine(model, weights, config: EngineConfig, requests, table=None):
 def run(args: argparse.Namespace) -> int:
     bundle = load_model(args)
     model, weights = bundle.model, bundle.weights
-    k = model.block_size
     peer = None
     if args.peer == "transformers":
         from dspark_jax.bench import peer as peer_lib
