@@ -272,13 +272,17 @@ def schedule_sync(conf: jax.Array, table: CostTable, num_drafts: jax.Array | Non
 
 
 def async_capacity(conf_lagged: jax.Array, table: CostTable, min_gain: float = 0.0,
-                   num_drafts: jax.Array | None = None) -> jax.Array:
+                   num_drafts: jax.Array | None = None, budget_tokens: jax.Array | None = None) -> jax.Array:
     """Capacity C (i32 scalar): the number of draft tokens to verify, chosen without the current drafts.
 
     Global search (no early stop) over every budget c = 0..R*K: Theta(c) = (R_active + sum of the c
-    largest lagged survivals) * SPS(R_active + c); C = the smallest c with the largest Theta. Because C
+    largest lagged survivals) * SPS(B(c)); C = the smallest c with the largest Theta. Because C
     is computed from confidences of an earlier step, the search may look past stair edges of the cost
     table without leaking the current drafts into their own admission.
+
+    B(c), the batch tokens a step verifying c drafts runs, is R_active + c for a ragged batch (the
+    default). An engine with static shapes runs more: `budget_tokens` i32[R*K + 1] gives its B(c) for
+    every c (see `static_budget_tokens`).
 
     Minimum-predicted-gain guard: C = 0 unless Theta(C) > (1 + min_gain) * Theta(0), i.e. min_gain is a
     RELATIVE predicted gain (0.05 = speculate only if it is predicted to pay at least 5%). The guard uses
@@ -289,14 +293,31 @@ def async_capacity(conf_lagged: jax.Array, table: CostTable, min_gain: float = 0
     gains = jnp.maximum(-jnp.sort(-a_flat), 0.0)  # descending; non-candidates add nothing
     tau = base + jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(gains)])
     budgets = jnp.arange(a_flat.shape[0] + 1, dtype=jnp.int32)
-    theta = tau * table.sps(base + budgets)
+    tokens = base + budgets if budget_tokens is None else budget_tokens
+    theta = tau * table.sps(tokens)
     best = jnp.argmax(theta)  # first maximum = smallest budget among ties
     pays = theta[best] > (1.0 + min_gain) * theta[0]
     return jnp.where(pays, best, 0).astype(jnp.int32)
 
 
+def width_buckets(k: int) -> list[int]:
+    """Verify widths a static-shape engine compiles for block size K: powers of two up to K, and K+1
+    (few programs, little padding); a step verifying at most l drafts per row runs the smallest bucket
+    >= 1 + l."""
+    return sorted({1 << i for i in range(k.bit_length()) if 1 << i <= k} | {k + 1})
+
+
+def static_budget_tokens(slots: int, k: int) -> np.ndarray:
+    """B(c) of a static-shape engine (every slot runs, at one width for all rows): budget c may give one
+    row min(c, K) drafts, so the step runs slots x (the width bucket holding 1 + min(c, K)); budget 0 is
+    its plain step (width 1). -> i32[slots * K + 1]."""
+    buckets = np.asarray(width_buckets(k))
+    width = buckets[np.searchsorted(buckets, 1 + np.minimum(np.arange(slots * k + 1), k))]
+    return (slots * width).astype(np.int32)
+
+
 def schedule_async(conf_now: jax.Array, conf_lagged: jax.Array, table: CostTable, min_gain: float = 0.0,
-                   num_drafts: jax.Array | None = None) -> jax.Array:
+                   num_drafts: jax.Array | None = None, budget_tokens: jax.Array | None = None) -> jax.Array:
     """Asynchronous scheduler: verify lengths i32[R] from current and lagged conf f32[R, K].
 
     C = async_capacity(conf_lagged, ...) (confidences from two steps earlier, rows aligned with the
@@ -307,7 +328,7 @@ def schedule_async(conf_now: jax.Array, conf_lagged: jax.Array, table: CostTable
     """
     _check_shapes(conf_now, num_drafts, conf_lagged)
     num_rows, k = conf_now.shape
-    capacity = async_capacity(conf_lagged, table, min_gain, num_drafts)
+    capacity = async_capacity(conf_lagged, table, min_gain, num_drafts, budget_tokens)
     a_flat, _ = _candidates(conf_now, num_drafts)
     order = jnp.argsort(-a_flat, stable=True)
     a_sorted = a_flat[order]

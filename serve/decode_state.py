@@ -4,6 +4,7 @@
     state, delta = admit(model, weights, state, joining)            # prefill ONLY the joining rows
     state, delta = spec_round(model, weights, state, table, width=..., mode=...)
     state, delta = plain_round(model, weights, state, ingest_draft=...)
+    state = catch_up(model, weights, state)                         # the draft ingests deferred positions
     state = evict(state, rows)                                      # a cancelled request leaves
 
 Everything a round needs lives here, on the device: the backbone cache and draft state
@@ -12,6 +13,11 @@ whether it still runs. A round checks stop ids, max_tokens and the cache end its
 row stops emitting in the very round it finishes, whatever the host has read so far. The host writes
 a slot only when a request joins (admit) or is cancelled (evict) and reads each round's `Delta`
 (the round's output buffer: the tokens each row emitted, at most K+1) asynchronously, a round late.
+
+Deferred ingest: a speculative engine that skips speculation (a plain step) must still give the draft
+every committed position, but one draft ingest per plain step costs 15-30% of the step. With a deferral
+buffer (`init(..., max_deferred=P)`) a plain step only keeps its backbone taps; `catch_up` ingests up to
+P of them in one batched call before the draft next proposes (the engine dispatches it).
 
 Finish rules (per row, in emission order): a stop id ends the request after emitting it ("stop");
 reaching max_tokens ends it ("length"); so does a committed length within 2 of the cache end
@@ -30,7 +36,7 @@ import numpy as np
 from dspark_jax import draft as draft_lib
 from dspark_jax import sampling
 from dspark_jax import spec_round as sr
-from dspark_jax.schedule import CostTable, async_capacity
+from dspark_jax.schedule import CostTable, async_capacity, static_budget_tokens
 
 # finish codes (Delta.finish)
 RUNNING, STOP, LENGTH = 0, 1, 2
@@ -47,9 +53,17 @@ class Slots(NamedTuple):
     stop_ids: jax.Array  # i32[B, S] stop token ids, -1 = unused
 
 
+class Deferred(NamedTuple):
+    """Backbone taps of plain steps whose draft ingest is put off (P = 0: none, ingest every step)."""
+
+    taps: jax.Array  # [B, P, F] taps of draft positions length .. length + count - 1
+    count: jax.Array  # i32[B] positions waiting
+
+
 class DecodeState(NamedTuple):
     round: sr.RoundState
     slots: Slots
+    deferred: Deferred
 
 
 class Delta(NamedTuple):
@@ -76,13 +90,23 @@ class Joining(NamedTuple):
     stop_ids: jax.Array  # i32[J, S]
 
 
-def init(model: sr.SpecModel, slots: int, max_len: int, max_stops: int) -> DecodeState:
+def init(model: sr.SpecModel, slots: int, max_len: int, max_stops: int, max_deferred: int = 0) -> DecodeState:
     rs = sr.init_state(model, slots, max_len)
     table = Slots(sampling.SamplingParams(jnp.zeros(slots, jnp.float32), jnp.zeros(slots, jnp.int32),
                                           jnp.ones(slots, jnp.float32)),
                   jnp.zeros(slots, jnp.uint32), jnp.zeros(slots, bool), jnp.zeros(slots, jnp.int32),
                   jnp.full((slots, max_stops), -1, jnp.int32))
-    return DecodeState(rs, table)
+    tap = _tap_spec(model, max_len)
+    deferred = Deferred(jnp.zeros((slots, max_deferred, tap.shape[-1]), tap.dtype), jnp.zeros(slots, jnp.int32))
+    return DecodeState(rs, table, deferred)
+
+
+@functools.lru_cache(maxsize=None)
+def _tap_spec(model: sr.SpecModel, max_len: int) -> jax.ShapeDtypeStruct:
+    """Shape and dtype of one position's backbone taps ([1, 1, F])."""
+    bb = model.backbone
+    return jax.eval_shape(lambda p: sr.backbone_forward(model, p, bb.init_cache(1, max_len),
+                                                        jnp.zeros((1, 1), jnp.int32)).taps, bb.abstract_params())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -144,7 +168,7 @@ def _after(state: DecodeState, rs: sr.RoundState, tokens, num_emitted, num_accep
     run = state.slots.running
     delta = Delta(toks, n, finish, jnp.where(run, num_accepted, 0), jnp.where(run, num_verify, 0), conf_logits,
                   jnp.asarray(capacity, jnp.int32))
-    return DecodeState(rs, slots), delta
+    return state._replace(round=rs, slots=slots), delta
 
 
 def _no_conf(model, b):
@@ -184,7 +208,9 @@ def admit(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, joining:
     slots = slots._replace(running=jnp.where(joined, finish == RUNNING, s.running),
                            budget=jnp.where(joined, budget, s.budget))
     zeros = jnp.zeros((b,), jnp.int32)
-    return DecodeState(rs, slots), Delta(toks, n, finish, zeros, zeros, _no_conf(model, b), jnp.int32(0))
+    deferred = state.deferred._replace(count=put(state.deferred.count, jnp.zeros((j,), jnp.int32)))
+    return (DecodeState(rs, slots, deferred),
+            Delta(toks, n, finish, zeros, zeros, _no_conf(model, b), jnp.int32(0)))
 
 
 def _caps(model: sr.SpecModel, state: DecodeState, max_len: int) -> jax.Array:
@@ -203,20 +229,25 @@ def spec_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, tab
     `mode` is the round's admission: "fixed" (num_verify drafts, clipped to each row's cap and to
     width - 1), "sync" or "async". The Delta carries the async capacity of the round after next:
     C from this round's confidences (the lag-2 confidences that round will schedule with), so the host
-    picks that round's verify width without a blocking read."""
+    picks that round's verify width without a blocking read.
+
+    The async capacity prices a budget of c drafts at the batch tokens this static-shape engine then
+    runs (schedule.static_budget_tokens: every slot at the width bucket of 1 + min(c, K), the draft
+    pass inside), not at running rows + c: one verified draft costs a whole speculative round here."""
     running = state.slots.running
     caps = _caps(model, state, max_len)
     nv = None if num_verify is None else jnp.full(running.shape, num_verify, jnp.int32)
+    budget_tokens = jnp.asarray(static_budget_tokens(running.shape[0], model.block_size))
     rs, out = sr.spec_round(model, weights, state.round, state.slots.params, state.slots.seeds, running,
                             width=width, mode=mode, num_verify=nv, draft_cap=jnp.maximum(caps, 0), table=table,
-                            min_gain=min_gain, filtering=filtering)
+                            min_gain=min_gain, budget_tokens=budget_tokens, filtering=filtering)
     state, delta = _after(state, rs, out.tokens, out.num_emitted, out.num_accepted, out.num_verify,
                           out.conf_logits, 0, max_len)
     if table is not None:
         # The capacity of a later round: every row still running then, each with all K drafts (its cap
         # then is not known now; the round clips to it).
         later = jnp.where(state.slots.running, model.block_size, -1)
-        delta = delta._replace(capacity=async_capacity(out.conf, table, min_gain, later))
+        delta = delta._replace(capacity=async_capacity(out.conf, table, min_gain, later, budget_tokens))
     return state, delta
 
 
@@ -225,13 +256,23 @@ def plain_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, *,
     """One plain decoding step for every running slot (the same keys a round with l = 0 uses).
 
     `ingest_draft` keeps the draft's context current (a speculative engine that skips speculation for a
-    round must not leave a hole in the draft's ring); the plain baseline runs without it (no taps)."""
+    round must not leave a hole in the draft's context): with a deferral buffer the step's taps go there
+    (the caller runs `catch_up` before the buffer overflows or the draft proposes), else the draft
+    ingests them now. The plain baseline runs without (no taps)."""
     running = state.slots.running
     rs = state.round
+    n = running.astype(jnp.int32)
     if ingest_draft:
         bo = sr.backbone_forward(model, weights.backbone, rs.cache, rs.anchor[:, None])
-        n = running.astype(jnp.int32)
-        rs = rs._replace(draft=draft_lib.ingest(weights.draft, model.cfg, rs.draft, bo.taps, n, impl=model.impl))
+        buf = state.deferred
+        if buf.taps.shape[1]:
+            rows = jnp.arange(n.shape[0])
+            at = jnp.where(running, buf.count, buf.taps.shape[1])  # out of range (dropped) for idle rows
+            state = state._replace(deferred=Deferred(buf.taps.at[rows, at].set(bo.taps[:, 0], mode="drop"),
+                                                     buf.count + n))
+        else:
+            rs = rs._replace(draft=draft_lib.ingest(weights.draft, model.cfg, rs.draft, bo.taps, n,
+                                                    impl=model.impl))
     else:
         bo = model.backbone.forward(weights.backbone, rs.cache, rs.anchor[:, None])
     token = sampling.sample(bo.logits[:, 0], state.slots.params, state.slots.seeds, rs.cache.length + 1,
@@ -242,6 +283,13 @@ def plain_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, *,
     zeros = jnp.zeros((b,), jnp.int32)
     return _after(state, rs, jnp.where(running, token, -1)[:, None], running.astype(jnp.int32), zeros, zeros,
                   _no_conf(model, b), 0, max_len)
+
+
+def catch_up(model: sr.SpecModel, weights: sr.Weights, state: DecodeState) -> DecodeState:
+    """The draft ingests every deferred position (one batched ingest of the buffer); the buffer empties."""
+    buf = state.deferred
+    draft = draft_lib.ingest(weights.draft, model.cfg, state.round.draft, buf.taps, buf.count, impl=model.impl)
+    return state._replace(round=state.round._replace(draft=draft), deferred=buf._replace(count=jnp.zeros_like(buf.count)))
 
 
 def evict(state: DecodeState, rows: jax.Array) -> DecodeState:
@@ -269,6 +317,7 @@ SPEC_ROUNDS = jax.jit(spec_rounds, static_argnums=0, donate_argnames=("state",),
                       static_argnames=("rounds", "max_len", "width", "mode", "num_verify", "min_gain", "filtering"))
 PLAIN_ROUNDS = jax.jit(plain_rounds, static_argnums=0, donate_argnames=("state",),
                        static_argnames=("rounds", "max_len", "ingest_draft"))
+CATCH_UP = jax.jit(catch_up, static_argnums=0, donate_argnames=("state",))
 EVICT = jax.jit(evict, donate_argnames=("state",))
 
 
@@ -327,5 +376,5 @@ def state_shardings(model: sr.SpecModel, state: DecodeState, max_len: int, mesh)
         return NamedSharding(mesh, PartitionSpec(*spec))
 
     round_sh = jax.tree.map(at, _batch_axes(model, max_len), state.round)
-    slots_sh = jax.tree.map(lambda leaf: at(0, leaf), state.slots)
-    return fit_shardings(DecodeState(round_sh, slots_sh), state)
+    slots_sh, deferred_sh = (jax.tree.map(lambda leaf: at(0, leaf), part) for part in (state.slots, state.deferred))
+    return fit_shardings(DecodeState(round_sh, slots_sh, deferred_sh), state)

@@ -25,10 +25,12 @@ row's cap that the device then clips exactly:
   * "off":   every draft verified;  "fixed": `num_verify` drafts;
   * "sync":  Algorithm 1 inside the round (width 1 + the largest cap: the lengths are unknown beforehand);
   * "async": capacity C from the confidences two rounds back, computed on device and read back with the
-             lag (width 1 + min(K, C)); when C = 0 it probes with a one-round speculative round after
-             2, 4, .. 64 plain steps (reset when requests join);
+             lag (width 1 + min(K, C)); when C = 0 it probes with a one-round verify-all round after
+             8, 16, .. 128 plain steps (reset when requests join);
 In every mode a round with nothing to verify (width 1) runs the plain step program instead: the same
-tokens without the draft's cost (the draft still ingests the new position).
+tokens without the draft's cost. The draft still needs those positions: the plain steps keep their
+backbone taps in a buffer and the draft ingests them in one batched call (catch-up) before it next
+proposes, or when `max_deferred_ingest` steps have piled up.
   * "plain": plain autoregressive decoding through the same loop (the baseline).
 A bad request (empty prompt, token out of range, prompt longer than the cache, bad sampling params) is
 refused by `submit` with a ValueError naming what is wrong (`generate` turns it into an error Result);
@@ -49,11 +51,13 @@ from tqdm.auto import tqdm
 
 from dspark_jax import sampling
 from dspark_jax import spec_round as sr
-from dspark_jax.schedule import CostTable
+from dspark_jax.schedule import CostTable, width_buckets
 from dspark_jax.serve import decode_state as ds
 
 MODES = ("off", "fixed", "sync", "async", "plain")
-_MAX_PROBE_INTERVAL = 64
+# Plain steps between the async engine's probes when the capacity is 0: doubling from the first to the
+# last (a probe pays the draft's cost, about 1-2 plain steps here, for fresh confidences).
+_MIN_PROBE_INTERVAL, _MAX_PROBE_INTERVAL = 8, 128
 
 
 @dataclasses.dataclass
@@ -105,6 +109,9 @@ class EngineConfig:
     # Rounds per dispatched program: more amortise the host's per-call cost, but a request that finishes
     # mid-call holds its slot (idle) until the call ends.
     rounds_per_call: int = 4
+    # Plain steps of a speculative engine whose draft ingest waits for one batched catch-up (0: ingest in
+    # every step, 15-30% of a plain step at the embedded sizes). Costs slots x this x taps memory.
+    max_deferred_ingest: int = 32
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -115,6 +122,9 @@ class EngineConfig:
             raise ValueError(f"engine 'rounds_per_call': expected >= 1, got {self.rounds_per_call}")
         if self.max_stop_tokens < 1:
             raise ValueError(f"engine 'max_stop_tokens': expected >= 1, got {self.max_stop_tokens}")
+        if self.max_deferred_ingest and self.max_deferred_ingest < self.rounds_per_call:
+            raise ValueError(f"engine 'max_deferred_ingest': expected 0 or >= rounds_per_call "
+                             f"({self.rounds_per_call}), got {self.max_deferred_ingest}")
 
 
 @dataclasses.dataclass
@@ -144,10 +154,10 @@ class Metrics:
         self.request_rounds += int(active.sum())
         self.emitted += int(num_emitted[active].sum())
         self.verified += int(num_verify[active].sum())
-        for k in range(1, self.block_size + 1):
-            reached = active & (num_verify >= k) & (num_accepted >= k - 1)
-            self.verified_at[k - 1] += int(reached.sum())
-            self.accepted_at[k - 1] += int((reached & (num_accepted >= k)).sum())
+        k = np.arange(1, self.block_size + 1)[None, :]
+        reached = active[:, None] & (num_verify[:, None] >= k) & (num_accepted[:, None] >= k - 1)
+        self.verified_at += reached.sum(axis=0)
+        self.accepted_at += (reached & (num_accepted[:, None] >= k)).sum(axis=0)
 
     @property
     def tau(self) -> float:
@@ -223,8 +233,7 @@ class Engine:
         self.vocab = model.backbone.vocab_size
         self.metrics = Metrics(self.k)
         self.records = _empty_records()
-        # Compiled verify widths: powers of two below K+1, and K+1 (few compiles, little padding).
-        self.width_buckets = sorted({1 << i for i in range(self.k.bit_length()) if 1 << i <= self.k} | {self.k + 1})
+        self.width_buckets = width_buckets(self.k)  # the compiled verify widths
         self._state = None  # allocated on first use (the cache can be large)
         self._ids = itertools.count()
         self._queue: collections.deque[tuple[int, Request]] = collections.deque()
@@ -234,7 +243,8 @@ class Engine:
         self._events: list[Event] = []  # produced outside step() (cancel), handed out by the next step()
         self._capacity: int | None = None  # async: the last capacity read back (None = none yet)
         self._plain_run = 0  # async: plain steps since the last speculative round
-        self._probe_every = 2
+        self._probe_every = _MIN_PROBE_INTERVAL
+        self._deferred = 0  # plain steps dispatched since the draft last caught up (a bound for every row)
 
     # ---- requests -----------------------------------------------------------------------------
     def validate(self, req: Request) -> None:
@@ -320,7 +330,8 @@ class Engine:
 
     def _allocate(self) -> ds.DecodeState:
         cfg = self.config
-        state = ds.init(self.model, cfg.max_slots, cfg.max_len, cfg.max_stop_tokens)
+        deferred = 0 if cfg.mode == "plain" else cfg.max_deferred_ingest
+        state = ds.init(self.model, cfg.max_slots, cfg.max_len, cfg.max_stop_tokens, deferred)
         if self.mesh is not None:
             state = jax.device_put(state, ds.state_shardings(self.model, state, cfg.max_len, self.mesh))
         return state
@@ -369,7 +380,7 @@ class Engine:
             joining.append(self._live[rid])
         if not joining:
             return
-        self._probe_every = 2  # new rows: their confidences are unknown, look again soon
+        self._probe_every = _MIN_PROBE_INTERVAL  # new rows: their confidences are unknown, look again soon
         if not any(lv.id not in {j.id for j in joining} for lv in self._live.values()):
             self._capacity = None  # nobody else runs: the last capacity described other requests
         cfg = self.config
@@ -398,20 +409,22 @@ class Engine:
         if cfg.mode == "fixed":
             most = min(most, cfg.num_verify)
         elif cfg.mode == "async":
-            most = min(most, self._capacity or 0)
-            # No capacity known yet, or 0 for a while: a one-round probe (width 1) whose confidences
-            # are what the next decision needs.
+            # No capacity known yet, or 0 for a while: a one-round probe whose confidences are what the
+            # next decision needs. It verifies every draft (a width fixed in advance: lossless), so it
+            # emits tau tokens for its draft pass instead of one.
             probe = self._capacity is None or (self._capacity == 0 and self._plain_run >= self._probe_every)
+            most = most if probe else min(most, self._capacity)
             rounds = 1 if probe else rounds
         if most == 0 and not probe:
             # Nothing to verify: the plain step program (a width-1 round's tokens, without the draft's
-            # cost); the draft still ingests the new position.
+            # cost); the draft ingests the new positions later, in one catch-up.
             self._dispatch_plain(rounds, ingest_draft=True)
-            self._plain_run += 1
+            self._plain_run += rounds
             return True
         self._plain_run = 0
+        self._catch_up()
         width = next(w for w in self.width_buckets if w >= 1 + most)
-        mode = "fixed" if cfg.mode in ("off", "fixed") else cfg.mode
+        mode = "fixed" if cfg.mode in ("off", "fixed") or probe else cfg.mode
         filtering = any(lv.request.top_k > 0 or lv.request.top_p < 1 for lv in running)
         self._state, delta = ds.SPEC_ROUNDS(
             self.model, self.weights, self._state, self.cost_table, rounds=rounds, max_len=cfg.max_len, width=width,
@@ -420,9 +433,19 @@ class Engine:
         return True
 
     def _dispatch_plain(self, rounds: int, ingest_draft: bool) -> None:
+        if ingest_draft and self.config.max_deferred_ingest:
+            if self._deferred + rounds > self.config.max_deferred_ingest:
+                self._catch_up()
+            self._deferred += rounds
         self._state, delta = ds.PLAIN_ROUNDS(self.model, self.weights, self._state, rounds=rounds,
                                              max_len=self.config.max_len, ingest_draft=ingest_draft)
         self._push("plain", delta, rounds)
+
+    def _catch_up(self) -> None:
+        """The draft ingests the positions plain steps deferred (before it proposes or the buffer fills)."""
+        if self._deferred:
+            self._state = ds.CATCH_UP(self.model, self.weights, self._state)
+            self._deferred = 0
 
     def _push(self, kind: str, delta: ds.Delta, rounds: int, emitting: list[int] | None = None) -> None:
         """Queue a dispatched program's output for reading; `emitting` (default: every owned slot) are
@@ -501,7 +524,7 @@ class Engine:
         if capacity == 0 and self._capacity == 0:
             self._probe_every = min(2 * self._probe_every, _MAX_PROBE_INTERVAL)
         elif capacity > 0:
-            self._probe_every = 2
+            self._probe_every = _MIN_PROBE_INTERVAL
         self._capacity = capacity
 
     def take_records(self) -> dict[str, np.ndarray]:

@@ -1,7 +1,7 @@
 """Measure the cost table (SPEC 6) on the serving engine itself, over the verify widths it compiles.
 
-SPS(B) is 1 / (median seconds per round) of an engine in mode "fixed" with `num_verify = width - 1`,
-every slot busy, in steady state (the overlapped loop with the engine's rounds per call: a step's wall
+SPS(B) is 1 / (median seconds per round) of an engine in mode "fixed" with `num_verify = width - 1`
+for each verify width the engine compiles (schedule.width_buckets), every slot busy, in steady state (the overlapped loop with the engine's rounds per call: a step's wall
 time is the device's time for its rounds once the pipeline is full), so B = slots * width batch tokens and the draft pass is
 inside the timed round, as it should be when its cost matters. Width 1 (nothing verified) is the plain
 step program, which is what the engine runs when it verifies nothing: Theta(0) is plain decoding's rate,
@@ -17,7 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dspark_jax import spec_round as sr
-from dspark_jax.schedule import CostTable
+from dspark_jax.schedule import CostTable, width_buckets
 
 
 def round_seconds(engine, requests, *, warmup: int = 3, repeats: int = 5) -> float:
@@ -45,7 +45,7 @@ def profile_cost_table(model: sr.SpecModel, weights: sr.Weights, *, slots: int, 
     from dspark_jax.serve.engine import Engine, EngineConfig, Request
 
     k = model.block_size
-    widths = sorted(set(widths or range(1, k + 2)))
+    widths = sorted(set(widths or width_buckets(k)))
     rng = np.random.default_rng(seed)
     # Rounds per call as the engine serves (its default), or fewer when the cache cannot hold that many
     # rounds of up to K+1 tokens each (warm-up, timed and in-flight steps).

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from dspark_jax.cli import main
 from dspark_jax.schedule import CostTable
 
@@ -11,7 +13,8 @@ def test_profile_then_generate_async(tmp_path, capsys):
     assert main(["profile", "--random-tiny", "--impl", "xla", "--slots", "2", "--max-len", "64", "--repeats", "1",
                  "--out", str(table)]) == 0
     t = CostTable.from_json(table)
-    assert t.batch_tokens.tolist() == [2 * w for w in range(1, 7)] and (t.steps_per_sec > 0).all()
+    # the widths the engine compiles for K = 5: 1, 2, 4 and K + 1
+    assert t.batch_tokens.tolist() == [2 * w for w in (1, 2, 4, 6)] and (t.steps_per_sec > 0).all()
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"tokens": [1, 2, 3], "max_tokens": 5, "id": "a"}\n{"prompt": "no tokenizer"}\n'
                        'not json\n{"tokens": [4, 5], "max_tokens": 4, "temperature": 1.0, "id": "b"}\n')
@@ -38,3 +41,18 @@ def test_engine_profiles_its_cost_table_at_start_when_asked():
     assert eng.cost_table is not None and eng.cost_table.max_batch_tokens == 2 * (b.model.block_size + 1)
     (res,) = eng.generate([Request([1, 2, 3], max_tokens=4)])
     assert len(res.tokens) == 4
+
+
+@pytest.mark.slow
+def test_bench_serve_sweeps_every_policy_and_plots(tmp_path, capsys):
+    png, out = tmp_path / "serve.png", tmp_path / "serve.json"
+    assert main(["bench", "serve", "--random-tiny", "--impl", "xla", "--concurrency", "1,2", "--static", "1,5",
+                 "--requests-per-client", "2", "--min-tokens", "3", "--max-tokens", "8", "--max-prompt", "16",
+                 "--max-len", "256", "--repeats", "1", "--plot", str(png), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["concurrency"] for r in rows] == [1, 2] and png.stat().st_size > 0
+    for r in rows:
+        assert set(r["tok_s"]) == {"plain", "static 1", "static 5", "sync", "async"}
+        assert all(v > 0 for v in r["tok_s"].values())
+        assert r["mean_verify"]["plain"] == 0 and 0 < r["mean_verify"]["static 1"] <= 1
+    assert "async/best-static" in capsys.readouterr().out

@@ -11,6 +11,7 @@ from test_spec_round import CFG, family, plain_greedy
 
 from dspark_jax import spec_round as sr
 from dspark_jax.schedule import CostTable
+from dspark_jax.serve import decode_state as ds
 from dspark_jax.serve.engine import Engine, EngineConfig, Request
 
 MAXLEN = 200  # plain_greedy's cache length: the same compiled programs as test_spec_round
@@ -67,8 +68,8 @@ def test_requests_join_leave_and_cancel_mid_run_greedy_equals_plain():
 
 def test_async_scheduler_falls_back_to_plain_steps_and_stays_exact():
     """A cost table on which speculation never pays (a third batch token makes the step 10x slower): the async
-    engine runs plain step programs, probing with a speculative round now and then, and emits exactly
-    plain decoding."""
+    engine runs plain step programs, probing with a verify-all round at the start and after 8 and 16
+    more plain steps, and emits exactly plain decoding."""
     table = CostTable(np.array([1, 3]), np.array([100.0, 10.0]), max_batch_tokens=24)
     eng = _engine("async", slots=2, table=table)
     reqs = [Request(p, max_tokens=40, id=i) for i, p in enumerate(prompts(2, seed=1))]
@@ -76,7 +77,7 @@ def test_async_scheduler_falls_back_to_plain_steps_and_stays_exact():
     for r in eng.generate(reqs):
         assert r.tokens == want[r.id, :40].tolist()
     m = eng.metrics
-    assert m.verified == 0 and m.spec_rounds < m.rounds / 3, (m.spec_rounds, m.rounds)
+    assert 1 <= m.spec_rounds <= 3 and m.rounds > 10 * m.spec_rounds, (m.spec_rounds, m.rounds)
 
 
 def test_async_scheduler_speculates_when_it_pays():
@@ -87,6 +88,30 @@ def test_async_scheduler_speculates_when_it_pays():
     for r in eng.generate([Request(p, max_tokens=30, id=i) for i, p in enumerate(prompts(2, seed=1))]):
         assert r.tokens == want[r.id, :30].tolist()
     assert eng.metrics.verified > 0 and eng.metrics.spec_rounds == eng.metrics.rounds
+
+
+def test_deferred_draft_ingest_catches_up_to_the_per_step_ingest():
+    """Plain steps that only buffer their taps, then one catch-up, leave the draft's context as one
+    ingest per step does (fp8 KV rounding off: a last-bit difference between the [B, 1] and [B, P]
+    shapes must not be amplified into an fp8 step)."""
+    bb, weights = family("mhc")
+    model = sr.SpecModel(bb, CFG.replace(kv_fp8=False), impl="xla")
+    reqs = [Request(p, max_tokens=100, id=i) for i, p in enumerate(prompts(3, seed=2))]
+    rows = ds.joining_rows([0, 1, 2], [list(r.prompt) for r in reqs], reqs, 3, MAXLEN, 1, 16)
+    ends = []
+    for deferred in (0, 8):
+        state = ds.init(model, 3, MAXLEN, 1, deferred)
+        state, _ = ds.ADMIT(model, weights, state, jax.device_put(rows), max_len=MAXLEN)
+        state, delta = ds.PLAIN_ROUNDS(model, weights, state, rounds=6, max_len=MAXLEN, ingest_draft=True)
+        if deferred:
+            assert np.asarray(state.deferred.count).tolist() == [6, 6, 6]
+            state = ds.CATCH_UP(model, weights, state)
+            assert np.asarray(state.deferred.count).tolist() == [0, 0, 0]
+        ends.append((np.asarray(delta.tokens), state.round.draft))
+    (tok0, d0), (tok1, d1) = ends
+    np.testing.assert_array_equal(tok0, tok1)
+    np.testing.assert_array_equal(np.asarray(d0.length), np.asarray(d1.length))
+    np.testing.assert_allclose(np.asarray(d1.ring, np.float32), np.asarray(d0.ring, np.float32), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["off", "plain"])

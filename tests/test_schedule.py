@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from dspark_jax.schedule import (
-    CostTable, CostTableWarning, async_capacity, expected_throughput, schedule_async, schedule_sync)
+    CostTable, CostTableWarning, async_capacity, expected_throughput, schedule_async, schedule_sync,
+    static_budget_tokens, width_buckets)
 
 # ---------------------------------------------------------------------------------------------------
 # Slow references: plain Python, written from SPEC section 6, sharing no code with the package.
@@ -311,6 +312,27 @@ def test_min_gain_guard_is_relative():
     assert int(capacity(conf, table, 0.1)) == 1
     assert int(capacity(conf, table, 0.125)) == 0  # not strictly above the guard
     assert np.asarray(jax.jit(schedule_async)(conf, conf, table, 0.2)).tolist() == [0]
+
+
+def test_static_budget_tokens_follow_the_width_buckets():
+    assert width_buckets(7) == [1, 2, 4, 8] and width_buckets(4) == [1, 2, 4, 5] and width_buckets(1) == [1, 2]
+    # 2 slots, K = 7: budget c runs both slots at the bucket holding 1 + min(c, 7)
+    assert static_budget_tokens(2, 7).tolist() == [2, 4, 8, 8] + [16] * 11
+
+
+def test_static_engine_prices_one_draft_as_a_whole_round():
+    # 4 rows, K = 3, every draft surely accepted. A ragged batch pays 5 tokens for one draft (the plain
+    # step's rate in this table): verifying pays. The static engine runs all 4 rows at width 2
+    # (8 tokens, half the plain rate) for 1 extra token, and at width 4 (16 tokens) for 12 extra tokens:
+    # (4 + 12) * 0.2 = 3.2 < 4 * 1.0, so it must not speculate at all.
+    table = CostTable([4, 8, 16], [1.0, 0.5, 0.2])
+    conf = jnp.ones((4, 3), jnp.float32)
+    capacity = jax.jit(async_capacity)
+    assert int(capacity(conf, table, 0.0)) > 0
+    assert int(capacity(conf, table, 0.0, None, jnp.asarray(static_budget_tokens(4, 3)))) == 0
+    # a cheaper verify: width 4 at 0.3 steps/s gives 16 * 0.3 = 4.8 > 4: verify everything
+    cheap = CostTable([4, 8, 16], [1.0, 0.5, 0.3])
+    assert int(capacity(conf, cheap, 0.0, None, jnp.asarray(static_budget_tokens(4, 3)))) == 12
 
 
 def test_bounds_padding_and_batch_limit():

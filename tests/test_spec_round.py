@@ -80,6 +80,8 @@ def test_greedy_speculative_equals_plain_decoding(name):
     assert (accepted > 0).all(), accepted  # every acceptance count 0..K really happened
 
 
+# ~75 s of compiles (mhc, 3 slots, every width); test_engine.py covers the engine at default speed.
+@pytest.mark.slow
 def test_engine_greedy_equals_plain_with_the_real_draft():
     """Through the engine (slots, continuous batching, prefill buckets), with the real draft."""
     bb, weights = family("mhc")
@@ -199,6 +201,8 @@ def _chi2(samples, probs, alpha=1e-3):
     assert pval > alpha, (pval, stat)
 
 
+# ~110 s of compiles (engines at 1 and 3 slots): in the slow step.
+@pytest.mark.slow
 def test_same_seed_same_output_alone_or_in_a_batch():
     # What is tested is the keyed randomness (seed, position, stream), not the draft's numerics: the
     # draft's ring rows are computed at batch 1 vs 3, and with the fp8 KV rounding a last-bit difference
@@ -237,6 +241,8 @@ def test_sync_and_async_modes_need_a_cost_table():
         Engine(sr.SpecModel(bb, CFG), weights, EngineConfig(mode="sync"))
 
 
+# ~110 s of compiles (two scheduler modes x widths): in the slow step; test_engine.py runs async.
+@pytest.mark.slow
 def test_engine_sync_and_async_schedulers_stay_exact():
     """With a staircase cost table the schedulers admit varying lengths; greedy output is unchanged."""
     from dspark_jax.schedule import CostTable

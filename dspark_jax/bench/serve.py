@@ -8,7 +8,8 @@ same workload, seeded, for every engine). The engine has c slots and runs, in tu
   * static l     every round verifies l drafts (mode "fixed", l in --static, default 1..K);
   * sync, async  the DSpark schedulers on this machine's cost table for c slots (measured once and
                  cached beside the bundle, `serve.profile.cached_cost_table`).
-Each engine serves the workload twice, the first run compiling; the second is timed. Printed: tokens/s
+Each engine serves the workload once to compile, then `--repeats` timed runs go round-robin over the
+engines (so a slow spell of a shared machine hits them all alike) and each engine keeps its best run. Printed: tokens/s
 and mean drafts verified per request-round per concurrency, async / best static, async / plain; a
 plot with tokens/s against concurrency goes to --plot.
 """
@@ -34,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--static", default=None, help="static verify lengths to run (default 1..K)")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per engine (best kept)")
     parser.add_argument("--plot", default="bench_serve.png")
     parser.add_argument("--json", default=None)
 
@@ -90,14 +92,19 @@ def run(args: argparse.Namespace) -> int:
         engines["sync"] = (EngineConfig(mode="sync", **base), table)
         engines["async"] = (EngineConfig(mode="async", **base), table)
         row = {"concurrency": c, "tok_s": {}, "mean_verify": {}}
-        for name, (cfg, tab) in engines.items():
-            engine = Engine(model, weights, cfg, cost_table=tab)
+        built = {name: Engine(model, weights, cfg, cost_table=tab) for name, (cfg, tab) in engines.items()}
+        for engine in built.values():
             closed_loop(engine, reqs, c)  # compiles
-            closed_loop(engine, reqs, c)
-            row["tok_s"][name] = engine.metrics.tokens_per_s
-            row["mean_verify"][name] = engine.metrics.mean_verify
-            print(f"  {name:9s} {engine.metrics.tokens_per_s:8.1f} tok/s  verify/round "
-                  f"{engine.metrics.mean_verify:5.2f}  tau {engine.metrics.tau:5.2f}", flush=True)
+        best = {}
+        for _ in range(args.repeats):
+            for name, engine in built.items():
+                closed_loop(engine, reqs, c)
+                if engine.metrics.tokens_per_s > getattr(best.get(name), "tokens_per_s", 0.0):
+                    best[name] = engine.metrics
+        for name, m in best.items():
+            row["tok_s"][name], row["mean_verify"][name] = m.tokens_per_s, m.mean_verify
+            print(f"  {name:9s} {m.tokens_per_s:8.1f} tok/s  verify/round {m.mean_verify:5.2f}  tau {m.tau:5.2f}",
+                  flush=True)
         rows.append(row)
     print_table(rows, statics)
     if args.plot:
@@ -120,7 +127,7 @@ def print_table(rows, statics) -> None:
               f"{r['tok_s']['async'] / r['tok_s']['plain']:>11.2f}")
     import jax
 
-    print(f"({jax.devices()[0].platform.upper()} figures; closed loop, one timed run after a compile run)")
+    print(f"({jax.devices()[0].platform.upper()} figures; closed loop; each engine's best of the timed runs after a compile run)")
 
 
 def plot(rows, path) -> None:
