@@ -289,7 +289,8 @@ def catch_up(model: sr.SpecModel, weights: sr.Weights, state: DecodeState) -> De
     """The draft ingests every deferred position (one batched ingest of the buffer); the buffer empties."""
     buf = state.deferred
     draft = draft_lib.ingest(weights.draft, model.cfg, state.round.draft, buf.taps, buf.count, impl=model.impl)
-    return state._replace(round=state.round._replace(draft=draft), deferred=buf._replace(count=jnp.zeros_like(buf.count)))
+    return state._replace(round=state.round._replace(draft=draft),
+                          deferred=buf._replace(count=jnp.zeros_like(buf.count)))
 
 
 def evict(state: DecodeState, rows: jax.Array) -> DecodeState:

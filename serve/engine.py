@@ -428,9 +428,16 @@ class Engine:
         filtering = any(lv.request.top_k > 0 or lv.request.top_p < 1 for lv in running)
         self._state, delta = ds.SPEC_ROUNDS(
             self.model, self.weights, self._state, self.cost_table, rounds=rounds, max_len=cfg.max_len, width=width,
-            mode=mode, num_verify=self.k if mode == "fixed" else None, min_gain=cfg.min_gain, filtering=filtering)
+            mode=mode, num_verify=self._num_verify(mode), min_gain=cfg.min_gain, filtering=filtering)
         self._push("spec", delta, rounds)
         return True
+
+    def _num_verify(self, mode: str) -> int | None:
+        """Drafts per row a "fixed" round verifies (the device clips to each row's cap and the width):
+        the configured count in mode "fixed", else (mode "off", an async probe) all K."""
+        if mode != "fixed":
+            return None
+        return self.config.num_verify if self.config.mode == "fixed" else self.k
 
     def _dispatch_plain(self, rounds: int, ingest_draft: bool) -> None:
         if ingest_draft and self.config.max_deferred_ingest:

@@ -1,12 +1,13 @@
 """Measure the cost table (SPEC 6) on the serving engine itself, over the verify widths it compiles.
 
-SPS(B) is 1 / (median seconds per round) of an engine in mode "fixed" with `num_verify = width - 1`
-for each verify width the engine compiles (schedule.width_buckets), every slot busy, in steady state (the overlapped loop with the engine's rounds per call: a step's wall
-time is the device's time for its rounds once the pipeline is full), so B = slots * width batch tokens and the draft pass is
-inside the timed round, as it should be when its cost matters. Width 1 (nothing verified) is the plain
-step program, which is what the engine runs when it verifies nothing: Theta(0) is plain decoding's rate,
-so the scheduler speculates only when that is predicted to beat plain decoding. The table is made monotone by CostTable (with a warning)
-if noise demands it.
+SPS(B) is 1 / (seconds per round) of an engine in mode "fixed" with `num_verify = width - 1`, for each
+verify width the engine compiles (schedule.width_buckets), every slot busy, in steady state: the
+overlapped loop at the engine's rounds per call, where a step's wall time is the device's time for its
+rounds once the pipeline is full (the median of a few steps, the best of two sweeps over the widths).
+So B = slots * width batch tokens, and the draft pass is inside the timed round. Width 1 (nothing
+verified) is the plain step program, what the engine runs when it verifies nothing: Theta(0) is plain
+decoding's rate, and the scheduler speculates only when that is predicted to beat plain decoding. The
+table is made monotone by CostTable (with a warning) if noise demands it.
 """
 
 from __future__ import annotations
@@ -40,8 +41,11 @@ def round_seconds(engine, requests, *, warmup: int = 3, repeats: int = 5) -> flo
 
 
 def profile_cost_table(model: sr.SpecModel, weights: sr.Weights, *, slots: int, max_len: int,
-                       widths=None, repeats: int = 5, prompt_len: int = 8, progress: bool = True,
+                       widths=None, repeats: int = 5, sweeps: int = 2, prompt_len: int = 8, progress: bool = True,
                        seed: int = 0) -> CostTable:
+    """The cost table of an engine with `slots` slots: `sweeps` passes over the widths (each width's
+    best median is kept, so a slow spell of a shared machine during one pass does not skew one width
+    against the others)."""
     from dspark_jax.serve.engine import Engine, EngineConfig, Request
 
     k = model.block_size
@@ -56,14 +60,18 @@ def profile_cost_table(model: sr.SpecModel, weights: sr.Weights, *, slots: int, 
                          f"after a {prompt_len}-token prompt")
     requests = [Request(rng.integers(0, model.backbone.vocab_size, prompt_len).tolist(), max_tokens=max_len,
                         temperature=1.0, seed=i) for i in range(slots)]
-    batch_tokens, sps = [], []
-    for w in tqdm(widths, desc="profiling verify widths", disable=not progress):
-        engine = Engine(model, weights, EngineConfig(max_slots=slots, max_len=max_len, mode="fixed",
-                                                     num_verify=w - 1, progress=False,
-                                                     rounds_per_call=per_call))
-        batch_tokens.append(slots * w)
-        sps.append(1.0 / round_seconds(engine, requests, repeats=repeats))
-    return CostTable(np.asarray(batch_tokens), np.asarray(sps, np.float32), max_batch_tokens=slots * (k + 1))
+    seconds = {w: float("inf") for w in widths}
+    bar = tqdm(total=sweeps * len(widths), desc="profiling verify widths", disable=not progress)
+    for _ in range(sweeps):
+        for w in widths:
+            engine = Engine(model, weights, EngineConfig(max_slots=slots, max_len=max_len, mode="fixed",
+                                                         num_verify=w - 1, progress=False,
+                                                         rounds_per_call=per_call))
+            seconds[w] = min(seconds[w], round_seconds(engine, requests, repeats=repeats))
+            bar.update()
+    bar.close()
+    sps = np.asarray([1.0 / seconds[w] for w in widths], np.float32)
+    return CostTable(np.asarray([slots * w for w in widths]), sps, max_batch_tokens=slots * (k + 1))
 
 
 def cached_cost_table(bundle, *, slots: int, max_len: int, progress: bool = True) -> tuple[CostTable, str]:

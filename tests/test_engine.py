@@ -90,6 +90,16 @@ def test_async_scheduler_speculates_when_it_pays():
     assert eng.metrics.verified > 0 and eng.metrics.spec_rounds == eng.metrics.rounds
 
 
+def test_fixed_mode_verifies_exactly_num_verify_drafts():
+    """num_verify = 2 runs the width-4 program (the bucket of 3 tokens) but verifies 2 drafts, not 3."""
+    eng = _engine("fixed", slots=2, num_verify=2, record_rounds=True)
+    want = _want()
+    for r in eng.generate([Request(p, max_tokens=20, id=i) for i, p in enumerate(prompts(2, seed=1))]):
+        assert r.tokens == want[r.id, :20].tolist()
+    verified = eng.take_records()["num_verified"]
+    assert verified.max() == 2 and (verified <= 2).all()
+
+
 def test_deferred_draft_ingest_catches_up_to_the_per_step_ingest():
     """Plain steps that only buffer their taps, then one catch-up, leave the draft's context as one
     ingest per step does (fp8 KV rounding off: a last-bit difference between the [B, 1] and [B, P]
