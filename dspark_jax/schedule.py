@@ -272,7 +272,8 @@ def schedule_sync(conf: jax.Array, table: CostTable, num_drafts: jax.Array | Non
 
 
 def async_capacity(conf_lagged: jax.Array, table: CostTable, min_gain: float = 0.0,
-                   num_drafts: jax.Array | None = None, budget_tokens: jax.Array | None = None) -> jax.Array:
+                   num_drafts: jax.Array | None = None, budget_tokens: jax.Array | None = None,
+                   acceptance_scale: jax.Array | float = 1.0) -> jax.Array:
     """Capacity C (i32 scalar): the number of draft tokens to verify, chosen without the current drafts.
 
     Global search (no early stop) over every budget c = 0..R*K: Theta(c) = (R_active + sum of the c
@@ -284,13 +285,19 @@ def async_capacity(conf_lagged: jax.Array, table: CostTable, min_gain: float = 0
     default). An engine with static shapes runs more: `budget_tokens` i32[R*K + 1] gives its B(c) for
     every c (see `static_budget_tokens`).
 
+    `acceptance_scale` (a scalar from PAST steps only, e.g. realized / predicted accepted drafts on the
+    traffic served so far) multiplies every survival in the search (capped at 1): confidences that
+    proved over- or under-confident size the batch accordingly. It never depends on the current drafts,
+    so the capacity stays lossless.
+
     Minimum-predicted-gain guard: C = 0 unless Theta(C) > (1 + min_gain) * Theta(0), i.e. min_gain is a
     RELATIVE predicted gain (0.05 = speculate only if it is predicted to pay at least 5%). The guard uses
     the lagged prediction only; a guard on the current drafts would leak them like a global search does.
     """
     _check_shapes(conf_lagged, num_drafts)
     a_flat, base = _candidates(conf_lagged, num_drafts)
-    gains = jnp.maximum(-jnp.sort(-a_flat), 0.0)  # descending; non-candidates add nothing
+    a_flat = jnp.minimum(a_flat * jnp.maximum(jnp.asarray(acceptance_scale, jnp.float32), 0.0), 1.0)
+    gains = jnp.maximum(-jnp.sort(-a_flat), 0.0)  # descending; non-candidates (< 0) add nothing
     tau = base + jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(gains)])
     budgets = jnp.arange(a_flat.shape[0] + 1, dtype=jnp.int32)
     tokens = base + budgets if budget_tokens is None else budget_tokens
@@ -317,7 +324,8 @@ def static_budget_tokens(slots: int, k: int) -> np.ndarray:
 
 
 def schedule_async(conf_now: jax.Array, conf_lagged: jax.Array, table: CostTable, min_gain: float = 0.0,
-                   num_drafts: jax.Array | None = None, budget_tokens: jax.Array | None = None) -> jax.Array:
+                   num_drafts: jax.Array | None = None, budget_tokens: jax.Array | None = None,
+                   acceptance_scale: jax.Array | float = 1.0) -> jax.Array:
     """Asynchronous scheduler: verify lengths i32[R] from current and lagged conf f32[R, K].
 
     C = async_capacity(conf_lagged, ...) (confidences from two steps earlier, rows aligned with the
@@ -328,7 +336,7 @@ def schedule_async(conf_now: jax.Array, conf_lagged: jax.Array, table: CostTable
     """
     _check_shapes(conf_now, num_drafts, conf_lagged)
     num_rows, k = conf_now.shape
-    capacity = async_capacity(conf_lagged, table, min_gain, num_drafts, budget_tokens)
+    capacity = async_capacity(conf_lagged, table, min_gain, num_drafts, budget_tokens, acceptance_scale)
     a_flat, _ = _candidates(conf_now, num_drafts)
     order = jnp.argsort(-a_flat, stable=True)
     a_sorted = a_flat[order]

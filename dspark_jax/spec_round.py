@@ -119,9 +119,11 @@ def draft_propose(model: SpecModel, weights: Weights, state: RoundState, params:
 
 
 def admit(mode: str, conf: jax.Array, conf_lagged: jax.Array, num_drafts: jax.Array, *, num_verify=None,
-          table: CostTable | None = None, min_gain: float = 0.0, budget_tokens=None) -> jax.Array:
+          table: CostTable | None = None, min_gain: float = 0.0, budget_tokens=None,
+          acceptance_scale=1.0) -> jax.Array:
     """Verify lengths i32[B] for this round; num_drafts i32[B] caps each row (-1 = inactive slot);
-    `budget_tokens`: the async capacity's cost model (schedule.async_capacity)."""
+    `budget_tokens`, `acceptance_scale`: the async capacity's cost and acceptance models
+    (schedule.async_capacity)."""
     if mode == "fixed":
         if num_verify is None:
             raise ValueError("mode 'fixed' needs num_verify")
@@ -132,7 +134,7 @@ def admit(mode: str, conf: jax.Array, conf_lagged: jax.Array, num_drafts: jax.Ar
     if mode == "sync":
         return schedule_sync(conf, table, num_drafts)
     if mode == "async":
-        return schedule_async(conf, conf_lagged, table, min_gain, num_drafts, budget_tokens)
+        return schedule_async(conf, conf_lagged, table, min_gain, num_drafts, budget_tokens, acceptance_scale)
     raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
 
 
@@ -140,7 +142,7 @@ def spec_round(model: SpecModel, weights: Weights, state: RoundState, params: sa
                seeds: jax.Array, active: jax.Array, *, width: int, mode: str = "fixed",
                num_verify: jax.Array | None = None, draft_cap: jax.Array | None = None,
                table: CostTable | None = None, min_gain: float = 0.0, budget_tokens=None,
-               filtering: bool = True) -> tuple[RoundState, RoundOutput]:
+               acceptance_scale=1.0, filtering: bool = True) -> tuple[RoundState, RoundOutput]:
     """One round for every slot. `width` (static, 1..K+1) is the verify forward's token count: the
     host picks it so compute follows the admitted count; admitted lengths are clipped to width - 1.
     `draft_cap` i32[B] optionally limits drafts per row (e.g. tokens left before max_tokens)."""
@@ -153,7 +155,7 @@ def spec_round(model: SpecModel, weights: Weights, state: RoundState, params: sa
     cap = jnp.full_like(length, width - 1) if draft_cap is None else jnp.clip(draft_cap, 0, width - 1)
     num_drafts = jnp.where(active, cap, -1)
     lengths = admit(mode, conf, state.conf_lag[1], num_drafts, num_verify=num_verify, table=table,
-                    min_gain=min_gain, budget_tokens=budget_tokens)
+                    min_gain=min_gain, budget_tokens=budget_tokens, acceptance_scale=acceptance_scale)
     lengths = jnp.where(active, jnp.clip(lengths, 0, cap), 0)
 
     verify_tokens = jnp.concatenate([state.anchor[:, None], out.tokens], axis=1)[:, :width]

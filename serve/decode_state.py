@@ -36,7 +36,7 @@ import numpy as np
 from dspark_jax import draft as draft_lib
 from dspark_jax import sampling
 from dspark_jax import spec_round as sr
-from dspark_jax.schedule import CostTable, async_capacity, static_budget_tokens
+from dspark_jax.schedule import CostTable, async_capacity, static_budget_tokens, survival
 
 # finish codes (Delta.finish)
 RUNNING, STOP, LENGTH = 0, 1, 2
@@ -60,10 +60,24 @@ class Deferred(NamedTuple):
     count: jax.Array  # i32[B] positions waiting
 
 
+class Feedback(NamedTuple):
+    """Drafts accepted against drafts predicted to be accepted (the survivals of the verified ones), over
+    the speculative rounds served so far (decayed): the async capacity's acceptance scale."""
+
+    realized: jax.Array  # f32 scalar
+    predicted: jax.Array  # f32 scalar
+
+
+# The prior is worth this many predicted drafts (trust the calibrated confidences until evidence comes);
+# the decay per speculative round lets the scale follow the traffic (about the last 50 rounds).
+_FEEDBACK_PRIOR, _FEEDBACK_DECAY = 4.0, 0.98
+
+
 class DecodeState(NamedTuple):
     round: sr.RoundState
     slots: Slots
     deferred: Deferred
+    feedback: Feedback
 
 
 class Delta(NamedTuple):
@@ -98,7 +112,8 @@ def init(model: sr.SpecModel, slots: int, max_len: int, max_stops: int, max_defe
                   jnp.full((slots, max_stops), -1, jnp.int32))
     tap = _tap_spec(model, max_len)
     deferred = Deferred(jnp.zeros((slots, max_deferred, tap.shape[-1]), tap.dtype), jnp.zeros(slots, jnp.int32))
-    return DecodeState(rs, table, deferred)
+    prior = jnp.full((2,), _FEEDBACK_PRIOR, jnp.float32)  # two buffers: each is donated on its own
+    return DecodeState(rs, table, deferred, Feedback(prior[0], prior[1]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,7 +224,7 @@ def admit(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, joining:
                            budget=jnp.where(joined, budget, s.budget))
     zeros = jnp.zeros((b,), jnp.int32)
     deferred = state.deferred._replace(count=put(state.deferred.count, jnp.zeros((j,), jnp.int32)))
-    return (DecodeState(rs, slots, deferred),
+    return (state._replace(round=rs, slots=slots, deferred=deferred),
             Delta(toks, n, finish, zeros, zeros, _no_conf(model, b), jnp.int32(0)))
 
 
@@ -240,15 +255,33 @@ def spec_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, tab
     budget_tokens = jnp.asarray(static_budget_tokens(running.shape[0], model.block_size))
     rs, out = sr.spec_round(model, weights, state.round, state.slots.params, state.slots.seeds, running,
                             width=width, mode=mode, num_verify=nv, draft_cap=jnp.maximum(caps, 0), table=table,
-                            min_gain=min_gain, budget_tokens=budget_tokens, filtering=filtering)
-    state, delta = _after(state, rs, out.tokens, out.num_emitted, out.num_accepted, out.num_verify,
-                          out.conf_logits, 0, max_len)
+                            min_gain=min_gain, budget_tokens=budget_tokens,
+                            acceptance_scale=acceptance_scale(state.feedback), filtering=filtering)
+    feedback = _feedback(state.feedback, out.conf, out.num_verify, out.num_accepted, running)
+    state, delta = _after(state._replace(feedback=feedback), rs, out.tokens, out.num_emitted, out.num_accepted,
+                          out.num_verify, out.conf_logits, 0, max_len)
     if table is not None:
         # The capacity of a later round: every row still running then, each with all K drafts (its cap
         # then is not known now; the round clips to it).
         later = jnp.where(state.slots.running, model.block_size, -1)
-        delta = delta._replace(capacity=async_capacity(out.conf, table, min_gain, later, budget_tokens))
+        delta = delta._replace(capacity=async_capacity(out.conf, table, min_gain, later, budget_tokens,
+                                                       acceptance_scale(feedback)))
     return state, delta
+
+
+def acceptance_scale(feedback: Feedback) -> jax.Array:
+    """Realized over predicted accepted drafts so far (1 before any evidence, by the prior)."""
+    return feedback.realized / feedback.predicted
+
+
+def _feedback(fb: Feedback, conf, num_verify, num_accepted, running) -> Feedback:
+    """Add one round: its accepted drafts, and the sum of the survivals of the drafts it verified (their
+    expected number accepted). A round that verified nothing leaves the sums as they are."""
+    verified = (jnp.arange(1, conf.shape[1] + 1)[None, :] <= num_verify[:, None]) & running[:, None]
+    predicted = jnp.sum(jnp.where(verified, survival(conf), 0.0))
+    realized = jnp.sum(jnp.where(running, num_accepted, 0)).astype(jnp.float32)
+    decay = jnp.where(predicted > 0, _FEEDBACK_DECAY, 1.0)
+    return Feedback(decay * fb.realized + realized, decay * fb.predicted + predicted)
 
 
 def plain_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, *, max_len: int,
@@ -285,10 +318,13 @@ def plain_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, *,
                   _no_conf(model, b), 0, max_len)
 
 
-def catch_up(model: sr.SpecModel, weights: sr.Weights, state: DecodeState) -> DecodeState:
-    """The draft ingests every deferred position (one batched ingest of the buffer); the buffer empties."""
+def catch_up(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, *, width: int | None = None
+             ) -> DecodeState:
+    """The draft ingests every deferred position (one batched ingest); the buffer empties. `width`
+    (static, default the whole buffer) bounds every row's count: only that many buffer rows are read."""
     buf = state.deferred
-    draft = draft_lib.ingest(weights.draft, model.cfg, state.round.draft, buf.taps, buf.count, impl=model.impl)
+    taps = buf.taps if width is None else buf.taps[:, :width]
+    draft = draft_lib.ingest(weights.draft, model.cfg, state.round.draft, taps, buf.count, impl=model.impl)
     return state._replace(round=state.round._replace(draft=draft),
                           deferred=buf._replace(count=jnp.zeros_like(buf.count)))
 
@@ -318,7 +354,7 @@ SPEC_ROUNDS = jax.jit(spec_rounds, static_argnums=0, donate_argnames=("state",),
                       static_argnames=("rounds", "max_len", "width", "mode", "num_verify", "min_gain", "filtering"))
 PLAIN_ROUNDS = jax.jit(plain_rounds, static_argnums=0, donate_argnames=("state",),
                        static_argnames=("rounds", "max_len", "ingest_draft"))
-CATCH_UP = jax.jit(catch_up, static_argnums=0, donate_argnames=("state",))
+CATCH_UP = jax.jit(catch_up, static_argnums=0, donate_argnames=("state",), static_argnames=("width",))
 EVICT = jax.jit(evict, donate_argnames=("state",))
 
 
@@ -378,4 +414,5 @@ def state_shardings(model: sr.SpecModel, state: DecodeState, max_len: int, mesh)
 
     round_sh = jax.tree.map(at, _batch_axes(model, max_len), state.round)
     slots_sh, deferred_sh = (jax.tree.map(lambda leaf: at(0, leaf), part) for part in (state.slots, state.deferred))
-    return fit_shardings(DecodeState(round_sh, slots_sh, deferred_sh), state)
+    feedback_sh = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), state.feedback)
+    return fit_shardings(DecodeState(round_sh, slots_sh, deferred_sh, feedback_sh), state)

@@ -24,9 +24,10 @@ The verify forward's width (static) is chosen on the host from what it knows, an
 row's cap that the device then clips exactly:
   * "off":   every draft verified;  "fixed": `num_verify` drafts;
   * "sync":  Algorithm 1 inside the round (width 1 + the largest cap: the lengths are unknown beforehand);
-  * "async": capacity C from the confidences two rounds back, computed on device and read back with the
-             lag (width 1 + min(K, C)); when C = 0 it probes with a one-round verify-all round after
-             8, 16, .. 128 plain steps (reset when requests join);
+  * "async": capacity C from the confidences two rounds back (their survivals scaled by the accepted /
+             predicted ratio of the rounds served so far: `acceptance_scale`), computed on device and
+             read back with the lag (width 1 + min(K, C)); when C = 0 it probes with a one-round
+             verify-all round after 8, 16, .. 128 plain steps (reset when requests join);
 In every mode a round with nothing to verify (width 1) runs the plain step program instead: the same
 tokens without the draft's cost. The draft still needs those positions: the plain steps keep their
 backbone taps in a buffer and the draft ingests them in one batched call (catch-up) before it next
@@ -309,6 +310,13 @@ class Engine:
         return len(self._pending)
 
     @property
+    def acceptance_scale(self) -> float:
+        """Accepted over predicted-accepted drafts on the traffic served so far (decayed; 1.0 = the
+        confidences were calibrated for it): the async capacity multiplies survivals by it. Reads the
+        device (blocking): for monitoring, not for the loop."""
+        return 1.0 if self._state is None else float(ds.acceptance_scale(self._state.feedback))
+
+    @property
     def idle(self) -> bool:
         return not (self._queue or self._live or self._pending or self._events)
 
@@ -382,7 +390,10 @@ class Engine:
             return
         self._probe_every = _MIN_PROBE_INTERVAL  # new rows: their confidences are unknown, look again soon
         if not any(lv.id not in {j.id for j in joining} for lv in self._live.values()):
-            self._capacity = None  # nobody else runs: the last capacity described other requests
+            # Nobody else runs: the last capacity described other requests, and no row has deferred
+            # positions (admit resets them). A fresh start also serves the same requests the same way
+            # as the previous time, so the programs it runs are the ones already compiled.
+            self._capacity, self._plain_run, self._deferred = None, 0, 0
         cfg = self.config
         rows = ds.joining_rows([lv.slot for lv in joining], [list(lv.request.prompt) for lv in joining],
                                [lv.request for lv in joining], cfg.max_slots, cfg.max_len, cfg.max_stop_tokens,
@@ -451,7 +462,9 @@ class Engine:
     def _catch_up(self) -> None:
         """The draft ingests the positions plain steps deferred (before it proposes or the buffer fills)."""
         if self._deferred:
-            self._state = ds.CATCH_UP(self.model, self.weights, self._state)
+            # Read only as many buffer rows as were written (a power of two: few programs).
+            width = min(1 << (self._deferred - 1).bit_length(), self.config.max_deferred_ingest)
+            self._state = ds.CATCH_UP(self.model, self.weights, self._state, width=width)
             self._deferred = 0
 
     def _push(self, kind: str, delta: ds.Delta, rounds: int, emitting: list[int] | None = None) -> None:

@@ -3,9 +3,10 @@ overlap, on-device finish checks, the async scheduler's plain fallback, no host 
 state, and bad requests that never stop the others."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from spec_helpers import oracle_propose
+from spec_helpers import backbone_greedy_drafts, oracle_propose
 from spec_helpers import random_prompts as prompts
 from test_spec_round import CFG, family, plain_greedy
 
@@ -109,19 +110,42 @@ def test_deferred_draft_ingest_catches_up_to_the_per_step_ingest():
     reqs = [Request(p, max_tokens=100, id=i) for i, p in enumerate(prompts(3, seed=2))]
     rows = ds.joining_rows([0, 1, 2], [list(r.prompt) for r in reqs], reqs, 3, MAXLEN, 1, 16)
     ends = []
-    for deferred in (0, 8):
+    for deferred in (0, 16):
         state = ds.init(model, 3, MAXLEN, 1, deferred)
         state, _ = ds.ADMIT(model, weights, state, jax.device_put(rows), max_len=MAXLEN)
         state, delta = ds.PLAIN_ROUNDS(model, weights, state, rounds=6, max_len=MAXLEN, ingest_draft=True)
         if deferred:
             assert np.asarray(state.deferred.count).tolist() == [6, 6, 6]
-            state = ds.CATCH_UP(model, weights, state)
+            state = ds.CATCH_UP(model, weights, state, width=8)  # reads buffer rows 0..7 only
             assert np.asarray(state.deferred.count).tolist() == [0, 0, 0]
         ends.append((np.asarray(delta.tokens), state.round.draft))
     (tok0, d0), (tok1, d1) = ends
     np.testing.assert_array_equal(tok0, tok1)
     np.testing.assert_array_equal(np.asarray(d0.length), np.asarray(d1.length))
     np.testing.assert_allclose(np.asarray(d1.ring, np.float32), np.asarray(d0.ring, np.float32), rtol=1e-5, atol=1e-6)
+
+
+def _liar_propose(model, weights, state, params, seeds, filtering):
+    """A draft sure of itself (confidence logits +10) whose every token is wrong."""
+    out = oracle_propose(model, weights, state, params, seeds, filtering)
+    wrong = (backbone_greedy_drafts(model, weights, state) + 1) % model.backbone.vocab_size
+    return out._replace(tokens=wrong, conf_logits=jnp.full(out.conf_logits.shape, 10.0))
+
+
+def test_async_scheduler_learns_that_overconfident_drafts_do_not_pay():
+    """On a table where sure drafts pay, a draft that claims confidence ~1 but is never accepted gets
+    verified for a few rounds only: the realized / predicted acceptance scale then sends the engine to
+    plain steps (probing now and then). Without the scale every round would speculate."""
+    bb, weights = family("mhc")
+    model = sr.SpecModel(bb, CFG, impl="xla", propose_fn=_liar_propose)
+    table = CostTable(np.array([2, 4, 8, 16]), np.array([100.0, 90.0, 80.0, 70.0]))
+    eng = Engine(model, weights, EngineConfig(mode="async", max_slots=2, max_len=MAXLEN, progress=False), table)
+    want = _want()
+    for r in eng.generate([Request(p, max_tokens=60, id=i) for i, p in enumerate(prompts(2, seed=1))]):
+        assert r.tokens == want[r.id, :60].tolist()
+    m = eng.metrics
+    assert m.verified > 0 and m.spec_rounds < m.rounds / 3, (m.spec_rounds, m.rounds)
+    assert eng.acceptance_scale < 0.1
 
 
 @pytest.mark.parametrize("mode", ["off", "plain"])

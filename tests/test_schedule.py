@@ -335,6 +335,18 @@ def test_static_engine_prices_one_draft_as_a_whole_round():
     assert int(capacity(conf, cheap, 0.0, None, jnp.asarray(static_budget_tokens(4, 3)))) == 12
 
 
+def test_acceptance_scale_rescales_the_predicted_gain():
+    table = CostTable([1, 2], [1.0, 0.75])  # Theta(0) = 1; Theta(1) = (1 + a) * 0.75
+    conf = jnp.array([[0.5]], jnp.float32)
+    capacity = jax.jit(async_capacity)
+    assert int(capacity(conf, table, 0.0, None, None, 1.0)) == 1  # 1.125
+    assert int(capacity(conf, table, 0.0, None, None, 0.5)) == 0  # overconfident so far: 0.9375
+    assert int(capacity(conf, table, 0.0, None, None, 4.0)) == 1  # survival capped at 1: 1.5
+    nothing = CostTable([1, 2], [1.0, 0.55])
+    assert int(capacity(conf, nothing, 0.0, None, None, 1.0)) == 0  # 0.825
+    assert int(capacity(conf, nothing, 0.0, None, None, 2.0)) == 1  # underconfident so far: 1.1
+
+
 def test_bounds_padding_and_batch_limit():
     rng = np.random.default_rng(5)
     r_count, k = 6, 5

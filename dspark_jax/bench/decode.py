@@ -143,6 +143,11 @@ def fori_greedy(model: sr.SpecModel, weights: sr.Weights, prompts, new_tokens: i
     return np.asarray(toks), float(np.min(call_seconds(lambda: run(*args), 3, warmup=0)))
 
 
+def compiled_programs() -> int:
+    """How many programs the engine's jitted functions hold (a timed run should add none)."""
+    return sum(f._cache_size() for f in (ds.ADMIT, ds.SPEC_ROUNDS, ds.PLAIN_ROUNDS, ds.CATCH_UP, ds.EVICT))
+
+
 def timed_engine(model, weights, config: EngineConfig, requests, table=None, runs: int = 3):
     """Warm up an engine on the requests, then serve them `runs` more times: -> (results, Metrics of the
     fastest run; a shared CPU's slow spells move single runs by 20-40%)."""
@@ -150,12 +155,15 @@ def timed_engine(model, weights, config: EngineConfig, requests, table=None, run
 
     engine = Engine(model, weights, config, cost_table=table)
     engine.generate(requests)
-    best = None
+    best, compiled = None, compiled_programs()
     for _ in range(runs):
         engine.metrics = Metrics(engine.k)
         results = engine.generate(requests)
         if best is None or engine.metrics.wall_s < best[1].wall_s:
             best = (results, engine.metrics)
+    if compiled_programs() != compiled:
+        print(f"WARNING: engine mode {config.mode!r} compiled {compiled_programs() - compiled} programs during its "
+              "timed runs", flush=True)
     return best
 
 

@@ -74,6 +74,7 @@ def closed_loop(engine, requests, concurrency: int) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dspark_jax.bench.decode import compiled_programs
     from dspark_jax.serve.engine import Engine, EngineConfig
     from dspark_jax.serve.profile import cached_cost_table
 
@@ -96,15 +97,20 @@ def run(args: argparse.Namespace) -> int:
         for engine in built.values():
             closed_loop(engine, reqs, c)  # compiles
         best = {}
+        compiled = compiled_programs()
         for _ in range(args.repeats):
             for name, engine in built.items():
                 closed_loop(engine, reqs, c)
                 if engine.metrics.tokens_per_s > getattr(best.get(name), "tokens_per_s", 0.0):
                     best[name] = engine.metrics
+        if compiled_programs() != compiled:
+            print(f"  WARNING: {compiled_programs() - compiled} programs compiled during the timed runs "
+                  "(their compile time is in the figures)", flush=True)
         for name, m in best.items():
             row["tok_s"][name], row["mean_verify"][name] = m.tokens_per_s, m.mean_verify
-            print(f"  {name:9s} {m.tokens_per_s:8.1f} tok/s  verify/round {m.mean_verify:5.2f}  tau {m.tau:5.2f}",
-                  flush=True)
+            scale = f"  acceptance scale {built[name].acceptance_scale:.2f}" if name == "async" else ""
+            print(f"  {name:9s} {m.tokens_per_s:8.1f} tok/s  verify/round {m.mean_verify:5.2f}  tau {m.tau:5.2f}"
+                  + scale, flush=True)
         rows.append(row)
     print_table(rows, statics)
     if args.plot:
