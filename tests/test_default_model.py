@@ -65,6 +65,7 @@ def test_strict_loading_rejects_extra_and_missing_tensors(tmp_path):
             load_bundle(d)
 
 
+@pytest.mark.slow  # ~40 s of compiles; test_spec_round.py checks the same property at default speed
 def test_greedy_speculative_equals_plain(bundle):
     from dspark_jax.bench.acceptance import make_requests, read_prompts
     from dspark_jax.serve.engine import Engine, EngineConfig

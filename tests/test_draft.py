@@ -260,6 +260,7 @@ def test_full_config_param_count_and_decode_shapes():
     assert out.hidden.shape == (b, 5, 5120)
 
 
+@pytest.mark.slow  # ~30 s of compiles
 def test_fused_sampler_path_equals_generic_loop():
     """filtering=False routes the Markov loop through the kernel dispatcher; same tokens, same logits."""
     params, tied = tiny()
@@ -303,6 +304,7 @@ def test_draft_noise_is_the_keyed_gumbel_of_each_draft_position():
         np.testing.assert_array_equal(noise[:, k].view(np.uint32), np.asarray(want).view(np.uint32))
 
 
+@pytest.mark.slow  # ~20 s of compiles on 8 devices
 def test_expert_parallel_equals_one_device():
     """The draft with its experts sharded 4 ways (and the batch 2 ways) proposes what one device does.
 

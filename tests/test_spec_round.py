@@ -94,8 +94,9 @@ def test_engine_greedy_equals_plain_with_the_real_draft():
         assert r.tokens == want[r.id, :len(r.tokens)].tolist()
 
 
-# The smooth variant (fp8 off, tight tolerance) costs another minute of compiles: in the slow step.
-@pytest.mark.parametrize("kv_fp8", [True, pytest.param(False, marks=pytest.mark.slow)])
+# Both variants are minutes of compiles: in the slow step (test_draft.py checks the ring rows at default speed).
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_fp8", [True, False])
 def test_ring_backfill_equals_prefill_of_the_committed_sequence(kv_fp8):
     """The ring after 12 rounds of mixed verify lengths (ingest of 1..K+1 rows per round, wrapped around
     the 16-row window) holds the rows a one-shot prefill of the committed sequence writes.
@@ -219,6 +220,8 @@ def test_same_seed_same_output_alone_or_in_a_batch():
         assert [r for r in got if r.id == "t"][0].tokens == alone[0].tokens
 
 
+# ~30 s; test_engine.py's bad-request test runs at default speed.
+@pytest.mark.slow
 def test_bad_requests_get_clear_errors_and_others_complete():
     bb, weights = family("mhc")
     eng = Engine(sr.SpecModel(bb, CFG, impl="xla"), weights,
