@@ -257,7 +257,9 @@ def spec_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, tab
                             width=width, mode=mode, num_verify=nv, draft_cap=jnp.maximum(caps, 0), table=table,
                             min_gain=min_gain, budget_tokens=budget_tokens,
                             acceptance_scale=acceptance_scale(state.feedback), filtering=filtering)
-    feedback = _feedback(state.feedback, out.conf, out.num_verify, out.num_accepted, running)
+    feedback = state.feedback
+    if table is not None:  # only the async capacity reads the feedback: no table, no bookkeeping
+        feedback = _feedback(feedback, out.conf, out.num_verify, out.num_accepted, running)
     state, delta = _after(state._replace(feedback=feedback), rs, out.tokens, out.num_emitted, out.num_accepted,
                           out.num_verify, out.conf_logits, 0, max_len)
     if table is not None:
