@@ -15,7 +15,7 @@ a slot only when a request joins (admit) or is cancelled (evict) and reads each 
 (the round's output buffer: the tokens each row emitted, at most K+1) asynchronously, a round late.
 
 Deferred ingest: a speculative engine that skips speculation (a plain step) must still give the draft
-every committed position, but one draft ingest per plain step costs 15-30% of the step. With a deferral
+every committed position, but one draft ingest per plain step costs 16-29% of the step. With a deferral
 buffer (`init(..., max_deferred=P)`) a plain step only keeps its backbone taps; `catch_up` ingests up to
 P of them in one batched call before the draft next proposes (the engine dispatches it).
 

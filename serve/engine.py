@@ -111,7 +111,7 @@ class EngineConfig:
     # mid-call holds its slot (idle) until the call ends.
     rounds_per_call: int = 4
     # Plain steps of a speculative engine whose draft ingest waits for one batched catch-up (0: ingest in
-    # every step, 15-30% of a plain step at the embedded sizes). Costs slots x this x taps memory.
+    # every step, 16-29% of a plain step at the embedded sizes). Costs slots x this x taps memory.
     max_deferred_ingest: int = 32
 
     def __post_init__(self):
