@@ -61,7 +61,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dspark_jax.kernels._common import LANES, VMEM_BUDGET_BYTES, VMEM_LIMIT_BYTES, resolve_impl, round_up
+from dspark_jax.kernels._common import (LANES, VMEM_BUDGET_BYTES, VMEM_LIMIT_BYTES, resolve_impl, round_up,
+                                        shard_kernel)
 
 MAX_VOCAB_TILE = 16384
 _MAX_EXACT_INDEX = 2**24  # column indices are carried in f32
@@ -308,7 +309,8 @@ def markov_sample(base_logits: jax.Array, anchor: jax.Array, w1: jax.Array, w2: 
                   temperature: jax.Array, noise: jax.Array, *, return_logits: bool = True, impl: str = "auto",
                   vocab_tile: int | None = None):
     """Dispatcher: impl "auto" (Pallas on TPU, reference elsewhere), "pallas" (interpret mode off TPU)
-    or "xla" (reference). -> (tokens i32[B, K], logq f32[B, K], markov_emb [B, K, r],
+    or "xla" (reference), optionally "@<platform>" (kernels/_common.py); under a mesh the kernel runs per
+    device on its batch rows, the Markov weights replicated. -> (tokens i32[B, K], logq f32[B, K], markov_emb [B, K, r],
     biased logits f32[B, K, V] or None). `vocab_tile` only affects the Pallas path."""
     _check_shapes(base_logits, anchor, w1, w2, temperature, noise)
     b, _, v = base_logits.shape
@@ -316,5 +318,8 @@ def markov_sample(base_logits: jax.Array, anchor: jax.Array, w1: jax.Array, w2: 
     which, interpret = resolve_impl(impl, name="markov_sample", supported=why is None, why_unsupported=why or "")
     if which == "xla":
         return markov_sample_reference(base_logits, anchor, w1, w2, temperature, noise, return_logits=return_logits)
-    return markov_sample_pallas(base_logits, anchor, w1, w2, temperature, noise, return_logits=return_logits,
-                                vocab_tile=vocab_tile, interpret=interpret)
+    kernel = functools.partial(markov_sample_pallas, return_logits=return_logits, vocab_tile=vocab_tile,
+                               interpret=interpret)
+    out_dims = ("b.", "b.", "b..", "b.." if return_logits else None)
+    return shard_kernel(kernel, (base_logits, anchor, w1, w2, temperature, noise), ("b..", "b", "", "", "b", "b.."),
+                        out_dims, batch=b)

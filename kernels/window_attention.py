@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dspark_jax.kernels._common import (LANES, VMEM_BUDGET_BYTES, VMEM_LIMIT_BYTES, resolve_impl, round_up,
-                                        sublanes)
+                                        shard_kernel, sublanes)
 
 MAX_ROW_BLOCK = 512
 _NT = (((1,), (1,)), ((), ()))  # contract the last dims of both operands: x @ y.T
@@ -267,7 +267,8 @@ def window_attention_pallas(q: jax.Array, ring_kv: jax.Array, ring_len: jax.Arra
 def window_attention(q: jax.Array, ring_kv: jax.Array, ring_len: jax.Array, draft_kv: jax.Array, sink: jax.Array,
                      *, scale: float, impl: str = "auto") -> jax.Array:
     """Dispatcher: impl "auto" (Pallas on TPU, reference elsewhere), "pallas" (interpret mode off TPU)
-    or "xla" (reference). Same contract as `window_attention_reference`."""
+    or "xla" (reference), optionally "@<platform>" (kernels/_common.py). Same contract as
+    `window_attention_reference`. Under a mesh the kernel runs per device on its batch rows and heads."""
     _check_shapes(q, ring_kv, ring_len, draft_kv, sink)
     _, k, h, hd = q.shape
     tq = plan_row_block(k * h, hd, ring_kv.shape[1], k, q.dtype, ring_kv.dtype)
@@ -275,4 +276,6 @@ def window_attention(q: jax.Array, ring_kv: jax.Array, ring_len: jax.Array, draf
                                     why_unsupported="no query row block fits the VMEM budget")
     if which == "xla":
         return window_attention_reference(q, ring_kv, ring_len, draft_kv, sink, scale=scale)
-    return window_attention_pallas(q, ring_kv, ring_len, draft_kv, sink, scale=scale, interpret=interpret)
+    kernel = functools.partial(window_attention_pallas, scale=scale, interpret=interpret)
+    return shard_kernel(kernel, (q, ring_kv, ring_len, draft_kv, sink), ("b.h.", "b..", "b", "b..", "h"), "b.h.",
+                        batch=q.shape[0], heads=h)
