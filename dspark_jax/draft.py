@@ -34,6 +34,7 @@ from dspark_jax import sampling
 from dspark_jax.config import DSparkConfig
 from dspark_jax.heads import markov_sample_loop
 from dspark_jax.nn.attention import WindowAttention
+from dspark_jax.nn.head import f32_head_logits
 from dspark_jax.nn.linear import Linear
 from dspark_jax.nn.mhc import HyperConnection, hc_post, hc_pre, one_hot_pre
 from dspark_jax.nn.moe import MoE
@@ -274,9 +275,8 @@ def draft_hidden(params: dict, tied: dict, cfg: DSparkConfig, state: DraftState,
 
 
 def base_logits(h: jax.Array, norm_scale: jax.Array, head: jax.Array, cfg: DSparkConfig) -> jax.Array:
-    """U = f32(RMSNorm_final(h) @ head^T); the tied LM head is held and applied in f32."""
-    x = rms_norm(h, norm_scale, cfg.norm_eps).astype(jnp.float32)
-    return jnp.einsum("...d,vd->...v", x, head.astype(jnp.float32), precision="highest")
+    """U = f32(RMSNorm_final(h) @ head^T); the tied LM head is applied in f32 from its stored dtype."""
+    return f32_head_logits(rms_norm(h, norm_scale, cfg.norm_eps), head)
 
 
 def confidence_logits(h: jax.Array, markov_emb: jax.Array, w: jax.Array) -> jax.Array:
@@ -305,10 +305,18 @@ def propose(params: dict, tied: dict, cfg: DSparkConfig, state: DraftState, anch
     return DraftOutput(tokens, logits, conf, emb, h)
 
 
-def param_shardings(cfg: DSparkConfig, mesh) -> dict:
-    """NamedSharding for every draft parameter on `mesh` (experts over the `expert` axis, etc.)."""
-    if (fam := family_module(cfg)) is not None:
-        return fam.param_shardings(cfg, mesh)
-    from dspark_jax.parallel import fit_shardings, logical_shardings
+def param_shardings(cfg: DSparkConfig, mesh, params=None) -> dict:
+    """NamedSharding for every draft parameter on `mesh` (experts over the `expert` axis, etc.).
 
-    return fit_shardings(logical_shardings(param_logical_axes(cfg), mesh), abstract_params(cfg))
+    `params`: the tree to be placed, when it may hold packed kernels (weights at checkpoint precision,
+    `dspark_jax.nn.packed`); each packed node then gets shardings derived from its dequantised kernel's
+    (`packed.tree_shardings`). Without it the shardings are those of the dequantised tree."""
+    from dspark_jax.nn.packed import tree_shardings
+
+    if (fam := family_module(cfg)) is not None:
+        shardings = fam.param_shardings(cfg, mesh)
+    else:
+        from dspark_jax.parallel import fit_shardings, logical_shardings
+
+        shardings = fit_shardings(logical_shardings(param_logical_axes(cfg), mesh), abstract_params(cfg))
+    return shardings if params is None else tree_shardings(shardings, params)

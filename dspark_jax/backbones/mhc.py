@@ -35,6 +35,7 @@ from dspark_jax.backbones.base import (Backbone, BackboneOutput, as_dtype, at_po
                                        query_positions, record_taps, taps_to_features, write_rows)
 from dspark_jax.config import SCORE_FUNCS, ConfigError, check_field, is_int, is_number, read_json_config
 from dspark_jax.nn.attention import WindowAttention, grouped_out_proj
+from dspark_jax.nn.head import f32_head_logits
 from dspark_jax.nn.mhc import HyperConnection, hc_post, hc_pre, one_hot_pre
 from dspark_jax.nn.moe import MoE, swiglu_mlp
 from dspark_jax.nn.norm import RMSNorm, rms_norm
@@ -254,8 +255,7 @@ class _Mhc(nn.Module):
         h = RMSNorm(c.dim, c.norm_eps, c.param_dtype, name="norm")(h)
         head = param(self, "head", nn.initializers.normal(c.dim ** -0.5), (c.vocab_size, c.dim), c.param_dtype,
                      ("vocab", "embed"))
-        logits = jnp.einsum("btd,vd->btv", h.astype(jnp.float32), head.astype(jnp.float32),
-                            precision=jax.lax.Precision.HIGHEST)  # the LM head is held and applied in f32
+        logits = f32_head_logits(h, head)  # the LM head is applied in f32 (from its stored dtype)
         return logits, taps, kv_cache
 
 
