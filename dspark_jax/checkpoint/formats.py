@@ -91,6 +91,17 @@ def fp8_scale_shape(shape: tuple[int, int]) -> tuple[int, int]:
     return (-(-out // FP8_BLOCK), -(-inn // FP8_BLOCK))
 
 
+def check_e4m3(weight: np.ndarray, name: str = "weight", row0: int = 0) -> None:
+    """Reject E4M3 NaN bytes (S.1111.111) in a 2-D fp8 weight (rows from `row0`), naming the first."""
+    w = _as_u8(np.asarray(weight))
+    step = _rows_per_chunk(w.shape[-1], 1)
+    for r0 in range(0, w.shape[0], step):
+        nan = (w[r0:r0 + step] & 0x7F) == 0x7F
+        if np.any(nan):
+            bad = np.argwhere(nan)[0]
+            raise CheckpointError(f"{name}: E4M3 NaN byte at [{row0 + r0 + bad[0]}, {bad[1]}]")
+
+
 def dequantize_fp8_block(weight: np.ndarray, scale: np.ndarray, dtype=np.float32, *, name: str = "weight",
                          out: np.ndarray | None = None) -> np.ndarray:
     """fp8 E4M3 `[out, in]` (as float8_e4m3fn or raw uint8) + E8M0 block scale -> `dtype` `[out, in]`."""
@@ -111,10 +122,7 @@ def dequantize_fp8_block(weight: np.ndarray, scale: np.ndarray, dtype=np.float32
     for r0 in range(0, n_out, step):
         r1 = min(n_out, r0 + step)
         chunk = w[r0:r1]
-        nan = (chunk & 0x7F) == 0x7F
-        if np.any(nan):
-            bad = np.argwhere(nan)[0]
-            raise CheckpointError(f"{name}: E4M3 NaN byte at [{r0 + bad[0]}, {bad[1]}]")
+        check_e4m3(chunk, name, r0)
         vals = _E4M3_LUT[chunk]
         f = factors[r0 // FP8_BLOCK:-(-r1 // FP8_BLOCK)]
         if aligned and (r1 - r0) % FP8_BLOCK == 0:  # broadcast the block factors, no repeat

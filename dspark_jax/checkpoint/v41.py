@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -399,20 +400,100 @@ def _tied_sources(reader: CheckpointReader, cfg: DSparkConfig) -> dict[str, Sour
 
 
 # ---------------------------------------------------------------------------------------------
+# Packed leaves (weights at checkpoint precision, `dspark_jax.nn.packed`)
+# ---------------------------------------------------------------------------------------------
+WEIGHTS_MODES = ("dequantized", "packed")
+
+
+def _packed_kind(transform: str, fmts: set[str]) -> str | None:
+    """"fp8" / "fp4" when a leaf can stay packed: one quantised storage for all of its sources and a plain
+    transpose as layout (the packed nodes transpose the stored byte matrices); None otherwise."""
+    if transform != "T" or len(fmts) != 1 or "plain" in fmts:
+        return None
+    return next(iter(fmts))
+
+
+def _packed_type(kind: str):
+    from dspark_jax.nn import packed  # noqa: PLC0415  (imports jax)
+
+    return {"fp8": packed.Fp8Blocks, "fp4": packed.Fp4Blocks}[kind]
+
+
+def _stored_bytes(reader: CheckpointReader, src: Source) -> tuple[np.ndarray, np.ndarray]:
+    """(weight bytes, E8M0 scale bytes) of a quantised source as uint8 in checkpoint layout, validated as
+    dequantisation would (E4M3 NaN codes, E8M0 NaN scales)."""
+    w, scale = reader.view(src.name).view(np.uint8), reader.view(src.scale_name).view(np.uint8)
+    try:
+        if src.fmt == "fp8":
+            formats.check_e4m3(w, src.name)
+        formats.e8m0_exponents(scale, src.scale_name)
+    except CheckpointError as err:
+        raise CheckpointError(f"{reader.info(src.name).file}: {err}") from None
+    return w, scale
+
+
+def _read_packed(reader: CheckpointReader, it: Item, srcs: list[Source], kind: str, bar):
+    """The leaf `it` as a packed node of numpy arrays: each field is the transpose of the stored bytes
+    (experts stacked on axis 0), e.g. fp4 `[out, in/2]` bytes -> `[in/2, out]`."""
+    cls = _packed_type(kind)
+    fields = [f.name for f in dataclasses.fields(cls)]  # (weight bytes, exponents)
+    abstract = cls.abstract(it.our_shape)
+    arrays = [np.empty(getattr(abstract, f).shape, np.dtype(getattr(abstract, f).dtype)) for f in fields]
+    per_source = math.prod(it.our_shape) // len(srcs)
+    for e, src in enumerate(srcs):
+        for dst, stored in zip(arrays, _stored_bytes(reader, src)):
+            _copy_2d((dst[e] if it.entry.per_expert else dst).view(np.uint8), stored.T)
+        bar.update(per_source)
+    return cls(*arrays)
+
+
+def _as_config(cfg) -> DSparkConfig:
+    return DSparkConfig.from_json(cfg) if isinstance(cfg, (str, os.PathLike)) else cfg
+
+
+def abstract_packed_params(cfg: DSparkConfig | str | os.PathLike, dtype="bfloat16") -> dict:
+    """ShapeDtypeStructs of the tree `load_v41_draft(..., weights="packed", dtype=dtype)` gives for an
+    official-layout checkpoint: the fp8 dense linears as `Fp8Blocks`, the fp4 routed experts as `Fp4Blocks`
+    (stacked over experts), `wo_a` and the bf16 / f32 tensors plain. For exports and sharding plans at full
+    size without reading or materialising anything."""
+    import jax  # noqa: PLC0415
+
+    cfg = _as_config(cfg)
+    dtype = _resolve_dtype(cfg.param_dtype if dtype is None else dtype)
+    flat = {}
+    for it in expand_table(cfg):
+        official = it.storage if it.storage in ("fp8", "fp4") else "plain"  # the source format it would have
+        kind = _packed_kind(it.entry.transform, {official})
+        flat[it.path] = (_packed_type(kind).abstract(it.our_shape) if kind else
+                         jax.ShapeDtypeStruct(it.our_shape, _leaf_dtype(it.storage, dtype)))
+    return unflatten_paths(flat)
+
+
+# ---------------------------------------------------------------------------------------------
 # Load
 # ---------------------------------------------------------------------------------------------
 def load_v41_draft(path_or_dir: str | os.PathLike | CheckpointReader, cfg: DSparkConfig, *,
                    dtype="bfloat16", with_tied: bool = True,
-                   tied_path: str | os.PathLike | None = None, progress: bool = False):
+                   tied_path: str | os.PathLike | None = None, progress: bool = False,
+                   weights: str = "dequantized"):
     """V4.1 `mtp.{s}.*` safetensors -> (params, tied) as numpy arrays in the tree of docs/params.md.
 
     `cfg` is a DSparkConfig or a path to any config.json spelling. fp8 / fp4 weights are dequantised
     exactly; tensors the official checkpoint keeps in f32 stay f32, the others become `dtype`
     ("bfloat16", "float32", or None for `cfg.param_dtype`). `tied = {"embed": [V, D], "head": [V, D]}` comes from `embed.weight` /
     `head.weight` of the same checkpoint, or of `tied_path`; `with_tied=False` returns `tied=None`.
+
+    `weights="packed"` keeps the quantised weights at checkpoint precision (about 1/3.6 of the bytes):
+    each fp8 linear with a transposing layout becomes a `dspark_jax.nn.packed.Fp8Blocks` and each fp4
+    routed-expert stack an `Fp4Blocks`, their bytes transposed into our `[in, out]` layout, dequantised
+    exactly inside the model's jitted computation where they are consumed. `wo_a` (a regrouped layout)
+    is dequantised to `dtype` as the official conversion does; a weight the checkpoint stores unquantised
+    (a bf16 source) stays unquantised, in `dtype`; so does a leaf whose experts mix storages.
+    `abstract_packed_params(cfg)` is this tree's abstract twin for an official-layout checkpoint.
     """
-    if isinstance(cfg, (str, os.PathLike)):
-        cfg = DSparkConfig.from_json(cfg)
+    if weights not in WEIGHTS_MODES:
+        raise CheckpointError(f"weights {weights!r}: expected one of {list(WEIGHTS_MODES)}")
+    cfg = _as_config(cfg)
     dtype = _resolve_dtype(cfg.param_dtype if dtype is None else dtype)
     check_table_against_draft(cfg)
     reader = path_or_dir if isinstance(path_or_dir, CheckpointReader) else open_checkpoint(path_or_dir)
@@ -425,6 +506,10 @@ def load_v41_draft(path_or_dir: str | os.PathLike | CheckpointReader, cfg: DSpar
     bar = _progress(sum(math.prod(it.our_shape) for it, _ in plan), progress, "load")
     flat = {}
     for it, srcs in plan:
+        kind = _packed_kind(it.entry.transform, {s.fmt for s in srcs}) if weights == "packed" else None
+        if kind:
+            flat[it.path] = _read_packed(reader, it, srcs, kind, bar)
+            continue
         ldt = _leaf_dtype(it.storage, dtype)
         leaf = np.empty(it.our_shape, dtype=ldt)
         if it.entry.per_expert:
@@ -521,10 +606,21 @@ def _write_v41(out_dir: Path, outs: list[_Out], fmt: str, *, max_shard_bytes: in
     return paths
 
 
+def _host_array(leaf, e: int | None = None) -> np.ndarray:
+    """A leaf (or its expert `e`) as a host float array; a packed node (`weights="packed"`) is dequantised
+    (exactly, in f32), one expert at a time."""
+    packed = sys.modules.get("dspark_jax.nn.packed")  # a packed leaf implies it is imported; plain trees need no jax
+    if packed is not None and packed.is_packed(leaf):
+        node = leaf if e is None else type(leaf)(*(getattr(leaf, f.name)[e] for f in dataclasses.fields(leaf)))
+        return np.asarray(packed.dequantize(node, np.float32))
+    return np.asarray(leaf if e is None else leaf[e])
+
+
 def export_v41_draft(params: Mapping, tied: Mapping | None, cfg: DSparkConfig, out_dir: str | os.PathLike, *,
                      fmt: str = "bf16", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, fp4_dtype: str = "I8",
                      progress: bool = False) -> list[Path]:
     """Our tree (+ tied embed/head, or None) -> V4.1 safetensors in `out_dir`; returns the files.
+    The tree may hold packed weights (`load_v41_draft(..., weights="packed")`): they export by value.
 
     fmt="bf16": f32 tensors as F32, the rest BF16. fmt="fp8": the layout of the official checkpoint:
     dense linears F8_E4M3 + 32x32 E8M0 scales, routed experts packed fp4 (`fp4_dtype` "I8" [out, in/2]
@@ -540,10 +636,10 @@ def export_v41_draft(params: Mapping, tied: Mapping | None, cfg: DSparkConfig, o
         if it.entry.per_expert:
             for e, n in enumerate(it.names):
                 outs.append(_Out(n, it.storage, it.ckpt_shape,
-                                 lambda leaf=leaf, e=e, inv=inv: inv(np.asarray(leaf[e]), cfg)))
+                                 lambda leaf=leaf, e=e, inv=inv: inv(_host_array(leaf, e), cfg)))
         else:
             outs.append(_Out(it.names[0], it.storage, it.ckpt_shape,
-                             lambda leaf=leaf, inv=inv: inv(np.asarray(leaf), cfg)))
+                             lambda leaf=leaf, inv=inv: inv(_host_array(leaf), cfg)))
     if tied is not None:
         for k, n in TIED.items():
             if k not in tied:

@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.nn.packed import as_compute
 from dspark_jax.nn.params import fan_in_normal, param
 from dspark_jax.nn.quant import fp8_quant_dequant
 
@@ -37,12 +38,13 @@ def linear(x: jax.Array, kernel: jax.Array, compute_dtype, act_fp8: bool = False
     the output (SPEC 2.9: every linear returns bf16 in bf16 compute). `act_fp8` first rounds the input
     to E4M3 per 32 values along `in`, as the official fp8 GEMMs do; the fp8 values and their power-of-two
     scales are exact in bf16, so the widened product equals the blockwise fp8 GEMM up to f32 summation
-    order."""
+    order. `kernel` may be a packed fp8 / fp4 kernel (`nn.packed`): it is dequantised here, exactly, as
+    a temporary of this product."""
     cd = jnp.dtype(compute_dtype)
     x = x.astype(cd)
     if act_fp8:
         x = fp8_quant_dequant(x)
-    return mixed_einsum("...i,io->...o", x, kernel.astype(cd)).astype(cd)
+    return mixed_einsum("...i,io->...o", x, as_compute(kernel, cd)).astype(cd)
 
 
 class Linear(nn.Module):

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.nn.linear import mixed_einsum
+from dspark_jax.nn.packed import as_compute
 from dspark_jax.nn.params import fan_in_normal, param
 from dspark_jax.nn.quant import fp8_quant_dequant
 
@@ -135,8 +136,9 @@ class MoE(nn.Module):
         weights, idx = moe_route(flat, kernel, bias, top_k=self.top_k, route_scale=self.route_scale,
                                  score_func=self.score_func, norm_topk_prob=self.norm_topk_prob)
         cd = jnp.dtype(self.compute_dtype)
-        experts = {k: v.astype(cd) for k, v in self.experts().items()}
-        shared = {k: v.astype(cd) for k, v in self.shared().items()} if self.n_shared else None
+        # Packed (fp8 / fp4) weights are dequantised here, inside the computation (`nn.packed`).
+        experts = {k: as_compute(v, cd) for k, v in self.experts().items()}
+        shared = {k: as_compute(v, cd) for k, v in self.shared().items()} if self.n_shared else None
         y = moe_ffn(flat, weights, idx, experts, shared, limit=self.swiglu_limit, act_fp8=self.act_fp8)
         return y.astype(cd).reshape(*lead, self.dim)
 

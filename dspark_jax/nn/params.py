@@ -5,10 +5,27 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
+from dspark_jax.nn import packed
+
 
 def param(module: nn.Module, name: str, init, shape: tuple[int, ...], dtype, axes: tuple[str | None, ...]):
-    """Declare a parameter whose logical axis names travel with it (boxed until `nn.unbox`)."""
+    """Declare a parameter whose logical axis names travel with it (boxed until `nn.unbox`).
+
+    A provided value that is a packed kernel (`nn.packed.Fp8Blocks` / `Fp4Blocks`, weights held at
+    checkpoint precision) is returned as it is, for its consumer to dequantise (`packed.as_compute`):
+    Flax would compare its leaves' shapes with the initializer's and reject fp4's byte matrix. Its
+    LOGICAL shape must equal `shape`; a mismatch is a ValueError naming the parameter.
+    """
     assert len(axes) == len(shape), (name, shape, axes)
+    if module.has_variable("params", name):
+        value = module.get_variable("params", name)
+        if packed.is_packed(value):
+            where = "/".join((*module.path, name))
+            if tuple(value.shape) != tuple(shape):
+                raise ValueError(f"packed parameter '{where}' ({type(value).__name__}): logical shape "
+                                 f"{list(value.shape)}, the module declares {list(shape)}")
+            packed.check(value, where)
+            return value
     return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.dtype(dtype))
 
 
