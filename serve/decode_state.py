@@ -225,7 +225,7 @@ def admit(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, joining:
     zeros = jnp.zeros((b,), jnp.int32)
     deferred = state.deferred._replace(count=put(state.deferred.count, jnp.zeros((j,), jnp.int32)))
     return (state._replace(round=rs, slots=slots, deferred=deferred),
-            Delta(toks, n, finish, zeros, zeros, _no_conf(model, b), jnp.int32(0)))
+            host_readable(Delta(toks, n, finish, zeros, zeros, _no_conf(model, b), jnp.int32(0))))
 
 
 def _caps(model: sr.SpecModel, state: DecodeState, max_len: int) -> jax.Array:
@@ -340,13 +340,23 @@ def spec_rounds(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, ta
                 rounds: int = 1, **kw) -> tuple[DecodeState, Delta]:
     """`rounds` consecutive speculative rounds in one call (one host dispatch for all of them, the
     finish checks still per round); the Delta's leaves gain a leading [rounds] axis."""
-    return jax.lax.scan(lambda st, _: spec_round(model, weights, st, table, **kw), state, None, length=rounds)
+    state, delta = jax.lax.scan(lambda st, _: spec_round(model, weights, st, table, **kw), state, None, length=rounds)
+    return state, host_readable(delta)
 
 
 def plain_rounds(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, *, rounds: int = 1, **kw
                  ) -> tuple[DecodeState, Delta]:
     """`rounds` consecutive plain steps in one call (Delta leaves [rounds, ...])."""
-    return jax.lax.scan(lambda st, _: plain_round(model, weights, st, **kw), state, None, length=rounds)
+    state, delta = jax.lax.scan(lambda st, _: plain_round(model, weights, st, **kw), state, None, length=rounds)
+    return state, host_readable(delta)
+
+
+def host_readable(delta: Delta) -> Delta:
+    """Under a mesh, the output buffer replicated on every device: any host of a multi-host slice can
+    read it whole (it is small: at most K+1 tokens and a few counts per slot)."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return delta
+    return jax.lax.with_sharding_constraint(delta, jax.sharding.PartitionSpec())
 
 
 # Shared compiled programs (module level, so every Engine over the same SpecModel reuses them). The state
@@ -396,7 +406,8 @@ def weight_shardings(model: sr.SpecModel, weights: sr.Weights, mesh):
     bb = model.backbone
     replicated = NamedSharding(mesh, PartitionSpec())
     return sr.Weights(fit_shardings(logical_shardings(bb.logical_axes(), mesh), bb.abstract_params()),
-                      draft_lib.param_shardings(model.cfg, mesh), jax.tree.map(lambda _: replicated, weights.tied),
+                      draft_lib.param_shardings(model.cfg, mesh, weights.draft),  # packed nodes too
+                      jax.tree.map(lambda _: replicated, weights.tied),
                       replicated)
 
 

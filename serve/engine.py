@@ -41,6 +41,7 @@ nothing else is affected.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -56,9 +57,25 @@ from dspark_jax.schedule import CostTable, width_buckets
 from dspark_jax.serve import decode_state as ds
 
 MODES = ("off", "fixed", "sync", "async", "plain")
-# Plain steps between the async engine's probes when the capacity is 0: doubling from the first to the
-# last (a probe pays the draft's cost, about 1-2 plain steps here, for fresh confidences).
-_MIN_PROBE_INTERVAL, _MAX_PROBE_INTERVAL = 8, 128
+# Plain steps between the async engine's probes when the capacity is 0: doubling from a floor to the
+# last. The floor is set by the cost table (`probe_interval_floor`): a probe is a full-width round, and
+# at many slots it costs several plain steps.
+_MIN_PROBE_INTERVAL, _MAX_PROBE_INTERVAL = 8, 512
+# What probing may cost, as a fraction of plain decoding's time.
+_PROBE_OVERHEAD = 0.02
+
+
+def probe_interval_floor(table: CostTable | None, slots: int, k: int) -> int:
+    """Fewest plain steps between two probes so that probing costs at most _PROBE_OVERHEAD of plain
+    decoding. A probe takes 1 / SPS(slots x (K+1)) seconds where the plain step it replaces takes
+    1 / SPS(slots); it is counted as emitting one token per row (what its drafts add is a bonus)."""
+    if table is None:
+        return _MIN_PROBE_INTERVAL
+    plain, probe = (float(table.sps(slots * w)) for w in (1, k + 1))
+    if probe <= 0.0:
+        return _MAX_PROBE_INTERVAL
+    extra = plain / probe - 1.0  # the probe's cost beyond a plain step, in plain steps
+    return int(np.clip(np.ceil(extra / _PROBE_OVERHEAD), _MIN_PROBE_INTERVAL, _MAX_PROBE_INTERVAL))
 
 
 @dataclasses.dataclass
@@ -244,7 +261,8 @@ class Engine:
         self._events: list[Event] = []  # produced outside step() (cancel), handed out by the next step()
         self._capacity: int | None = None  # async: the last capacity read back (None = none yet)
         self._plain_run = 0  # async: plain steps since the last speculative round
-        self._probe_every = _MIN_PROBE_INTERVAL
+        self._probe_floor = probe_interval_floor(cost_table, config.max_slots, self.k)
+        self._probe_every = self._probe_floor
         self._deferred = 0  # plain steps dispatched since the draft last caught up (a bound for every row)
 
     # ---- requests -----------------------------------------------------------------------------
@@ -326,13 +344,15 @@ class Engine:
         -> the events the read produced (token deltas and finishes)."""
         t0 = time.perf_counter()
         events, self._events = self._events, []
-        if self._state is None:
-            self._state = self._allocate()
-        self._admit_waiting()
-        dispatched = self._dispatch_round()
-        waited = 0.0
-        while len(self._pending) > (1 if dispatched else 0):
-            waited += self._read(self._pending.popleft(), events)
+        # The mesh is the context of every trace: the Pallas kernels run inside shard_map over it.
+        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+            if self._state is None:
+                self._state = self._allocate()
+            self._admit_waiting()
+            dispatched = self._dispatch_round()
+            waited = 0.0
+            while len(self._pending) > (1 if dispatched else 0):
+                waited += self._read(self._pending.popleft(), events)
         self.metrics.host_s += time.perf_counter() - t0 - waited
         return events
 
@@ -388,7 +408,7 @@ class Engine:
             joining.append(self._live[rid])
         if not joining:
             return
-        self._probe_every = _MIN_PROBE_INTERVAL  # new rows: their confidences are unknown, look again soon
+        self._probe_every = self._probe_floor  # new rows: their confidences are unknown, look again soon
         if not any(lv.id not in {j.id for j in joining} for lv in self._live.values()):
             # Nobody else runs: the last capacity described other requests, and no row has deferred
             # positions (admit resets them). A fresh start also serves the same requests the same way
@@ -544,7 +564,7 @@ class Engine:
         if capacity == 0 and self._capacity == 0:
             self._probe_every = min(2 * self._probe_every, _MAX_PROBE_INTERVAL)
         elif capacity > 0:
-            self._probe_every = _MIN_PROBE_INTERVAL
+            self._probe_every = self._probe_floor
         self._capacity = capacity
 
     def take_records(self) -> dict[str, np.ndarray]:
