@@ -40,6 +40,19 @@ def make_mesh(data: int = 1, fsdp: int = 1, expert: int = 1, tensor: int = 1,
     return Mesh(grid, MESH_AXES)
 
 
+def parse_mesh_spec(text: str) -> dict[str, int]:
+    """"data=2,expert=4" -> {"data": 2, "expert": 4} (the CLI's --mesh); ValueError naming the bad part."""
+    axes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, size = part.partition("=")
+        name = name.strip()
+        if name not in MESH_AXES or not size.strip().isdigit() or int(size) < 1 or name in axes:
+            raise ValueError(f"mesh: expected comma-separated AXIS=N (N >= 1, each axis once) with AXIS in "
+                             f"{MESH_AXES}, got {part!r} in {text!r}")
+        axes[name] = int(size)
+    return axes
+
+
 def _rules_for(mesh: Mesh, rules=LOGICAL_RULES):
     """Drop mesh axes that are absent or of size 1, and never shard a dim over an axis twice."""
     out = []

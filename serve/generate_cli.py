@@ -27,6 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="default per request")
     parser.add_argument("--temperature", type=float, default=0.0, help="default per request")
     parser.add_argument("--cost-table", help="cost table JSON for modes sync/async (default: the bundle's)")
+    parser.add_argument("--mesh", default=None,
+                        help="serve on a device mesh, e.g. data=2,expert=4 (axes data, fsdp, expert, tensor): "
+                             "slots over data/fsdp, the draft's experts over expert")
+    parser.add_argument("--distributed", action="store_true",
+                        help="call jax.distributed.initialize() first (multi-host TPU slices; see README)")
 
 
 def parse_requests(lines, tokenizer, defaults) -> tuple[list, dict]:
@@ -58,11 +63,28 @@ def parse_requests(lines, tokenizer, defaults) -> tuple[list, dict]:
     return reqs, errors
 
 
+def _mesh(args):
+    """The --mesh (after --distributed's jax.distributed.initialize, which must come before any device use)."""
+    import jax
+
+    from dspark_jax.parallel import make_mesh, parse_mesh_spec
+
+    if args.distributed:
+        jax.distributed.initialize()
+    if not args.mesh:
+        return None
+    try:
+        return make_mesh(**parse_mesh_spec(args.mesh))
+    except ValueError as e:
+        raise SystemExit(f"--mesh: {e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from dspark_jax.serve.engine import Engine, EngineConfig
 
     from dspark_jax.schedule import CostTable
 
+    mesh = _mesh(args)
     bundle = load_model(args)
     table = CostTable.from_json(args.cost_table) if args.cost_table else bundle.cost_table
     with open(args.prompts) as f:
@@ -71,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(bundle.model, bundle.weights,
                     EngineConfig(max_slots=args.slots, max_len=args.max_len, mode=args.mode,
                                  num_verify=args.num_verify),
-                    cost_table=table)
+                    cost_table=table, mesh=mesh)
     results = engine.generate(reqs)
     out = sys.stdout if args.out == "-" else open(args.out, "w")
     for idx, err in errors.items():
