@@ -261,6 +261,7 @@ class Engine:
         self._events: list[Event] = []  # produced outside step() (cancel), handed out by the next step()
         self._capacity: int | None = None  # async: the last capacity read back (None = none yet)
         self._plain_run = 0  # async: plain steps since the last speculative round
+        self._probe_pending = False  # async: a probe dispatched whose capacity is not read yet
         self._probe_floor = probe_interval_floor(cost_table, config.max_slots, self.k)
         self._probe_every = self._probe_floor
         self._deferred = 0  # plain steps dispatched since the draft last caught up (a bound for every row)
@@ -443,9 +444,14 @@ class Engine:
             # No capacity known yet, or 0 for a while: a one-round probe whose confidences are what the
             # next decision needs. It verifies every draft (a width fixed in advance: lossless), so it
             # emits tau tokens for its draft pass instead of one.
-            probe = self._capacity is None or (self._capacity == 0 and self._plain_run >= self._probe_every)
-            most = most if probe else min(most, self._capacity)
+            # While the first probe's answer is still in flight (the loop reads a program late), the
+            # capacity counts as 0: a second probe would only repeat the question.
+            awaiting = self._capacity is None and self._probe_pending
+            probe = not awaiting and (self._capacity is None
+                                      or (self._capacity == 0 and self._plain_run >= self._probe_every))
+            most = most if probe else min(most, self._capacity or 0)
             rounds = 1 if probe else rounds
+            self._probe_pending = self._probe_pending or probe
         if most == 0 and not probe:
             # Nothing to verify: the plain step program (a width-1 round's tokens, without the draft's
             # cost); the draft ingests the new positions later, in one catch-up.
@@ -566,6 +572,7 @@ class Engine:
         elif capacity > 0:
             self._probe_every = self._probe_floor
         self._capacity = capacity
+        self._probe_pending = False
 
     def take_records(self) -> dict[str, np.ndarray]:
         """Calibration records kept since the last call (EngineConfig.record_rounds), one row per active

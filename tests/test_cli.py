@@ -56,3 +56,24 @@ def test_bench_serve_sweeps_every_policy_and_plots(tmp_path, capsys):
         assert all(v > 0 for v in r["tok_s"].values())
         assert r["mean_verify"]["plain"] == 0 and 0 < r["mean_verify"]["static 1"] <= 1
     assert "async/best-static" in capsys.readouterr().out
+
+
+def test_generate_on_a_mesh_emits_the_one_device_tokens(tmp_path):
+    """`--mesh data=2,expert=4` on the 8 host devices: the tiny draft's experts and the slots sharded, the
+    kernels in interpret mode inside shard_map (impl pallas), the same greedy tokens as one device."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"tokens": [{i + 1}, {i + 2}, 3], "max_tokens": 6, "id": {i}}}\n' for i in range(4)))
+    outs = {}
+    for name, extra in (("one", []), ("mesh", ["--mesh", "data=2,expert=4"])):
+        out = tmp_path / f"{name}.jsonl"
+        assert main(["generate", "--random-tiny", "--impl", "pallas", "--prompts", str(prompts), "--out", str(out),
+                     "--mode", "off", "--slots", "4", "--max-len", "32", *extra]) == 0
+        outs[name] = [json.loads(line)["tokens"] for line in out.read_text().splitlines()]
+    assert outs["mesh"] == outs["one"] and all(len(t) == 6 for t in outs["one"])
+
+
+def test_generate_rejects_a_bad_mesh(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"tokens": [1, 2]}\n')
+    with pytest.raises(SystemExit, match="--mesh: mesh: expected comma-separated AXIS=N"):
+        main(["generate", "--random-tiny", "--prompts", str(prompts), "--mesh", "data=2,experts=4"])

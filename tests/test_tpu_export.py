@@ -142,3 +142,21 @@ def test_round_outputs_are_replicated_for_every_host(lowered):
     for name, leaves in (("spec_round/async", 7), ("plain_round", 7), ("admit", 6)):  # admit's capacity: a constant
         replicated = re.findall(r"sdy.sharding_constraint %\S+ <@mesh, \[(?:\{\}(?:, )?)+\]>", out[name].mlir_module())
         assert len(replicated) >= leaves, name
+
+
+def test_memory_bench_counts_checkpoint_and_per_chip_bytes():
+    """`dspark bench memory`'s accounting at V4.1-Flash size: the official checkpoint's draft tensors
+    (SPEC 3: ~7.9 GB), the packed tree within 1.1x of them, the dequantised one ~3.6x, and a chip's share
+    of the experts on expert=4."""
+    from dspark_jax.bench import memory
+    from dspark_jax.checkpoint import v41
+
+    cfg = lowering.flash_config()
+    ckpt = memory.checkpoint_bytes(cfg)
+    assert 7.8e9 < ckpt < 8.0e9
+    packed = lowering.flash_pair("xla", draft_params=v41.abstract_packed_params(cfg))
+    plain = lowering.flash_pair("xla")
+    packed_bytes, plain_bytes = (memory.tree_bytes(p.weights.draft) for p in (packed, plain))
+    assert packed_bytes <= 1.1 * ckpt and 3.4 < plain_bytes / ckpt < 3.8
+    per_chip = memory.tree_bytes_per_chip(lowering.sharded_weights(packed, MESH).draft)
+    assert packed_bytes / 4 < per_chip < packed_bytes / 2  # the experts (most bytes) split 4 ways
