@@ -58,6 +58,7 @@ def test_bench_serve_sweeps_every_policy_and_plots(tmp_path, capsys):
     assert "async/best-static" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_generate_on_a_mesh_emits_the_one_device_tokens(tmp_path):
     """`--mesh data=2,expert=4` on the 8 host devices: the tiny draft's experts and the slots sharded, the
     kernels in interpret mode inside shard_map (impl pallas), the same greedy tokens as one device."""
