@@ -18,7 +18,6 @@ interpret mode.
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 import jax
@@ -35,6 +34,7 @@ from dspark_jax.kernels._common import for_platform
 from dspark_jax.parallel import MESH_AXES
 from dspark_jax.schedule import CostTable
 from dspark_jax.serve import decode_state as ds
+from dspark_jax.verify import verify_and_accept
 
 FLASH_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "deepseek_v41_flash.json"
 MODES = ("fixed", "sync", "async")  # "off", "fixed" and the async probes all run the "fixed" program
@@ -147,14 +147,8 @@ def _propose(model, weights, dstate, anchor, params, seeds):
                              filtering=False)
 
 
-def _verify(target_logits, draft_tokens, draft_logits, num_verify, params, seeds, positions):
-    from dspark_jax.verify import verify_and_accept
-
-    return verify_and_accept(target_logits, draft_tokens, draft_logits, num_verify, params, seeds, positions)
-
-
 _PROPOSE = jax.jit(_propose, static_argnums=0)
-_VERIFY = jax.jit(_verify)
+_VERIFY = jax.jit(verify_and_accept)
 
 
 def _verify_args(pair: Pair, mesh, state: ds.DecodeState):
@@ -181,12 +175,3 @@ def lower_serving_programs(pair: Pair, mesh, *, platform: str = "tpu", only=None
                 continue
             out[name] = jax.export.export(fn, platforms=[platform])(*args, **static)
     return out
-
-
-def per_device_bytes(avals, shardings) -> int:
-    """Bytes one device holds of arrays `avals` placed with `shardings` (NamedShardings)."""
-    total = 0
-    for a, s in zip(avals, shardings):
-        shard = s.shard_shape(a.shape) if hasattr(s, "shard_shape") else a.shape
-        total += math.prod(shard) * jnp.dtype(a.dtype).itemsize
-    return total
