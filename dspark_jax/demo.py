@@ -87,7 +87,7 @@ def best_of_runs(engines: dict, reqs, timed_generate, runs: int = RUNS) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark_jax.bench.acceptance import fmt_acc, make_requests, timed_generate
+    from dspark_jax.bench.acceptance import fmt_acc, fmt_counts, make_requests, timed_generate
     from dspark_jax.serve.engine import Engine, EngineConfig
 
     t_start = time.perf_counter()
@@ -142,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     for r in runs:
         m = r["metrics"]["verify-all"]
         print(f"T={r['T']:<3g} " + fmt_acc([None if np.isnan(a) else float(a) for a in m.acceptance], k))
+        print("rounds " + fmt_counts(m.verified_at, k))
     for r in runs:
         if r["same"] is not None:
             verdict = "identical" if r["same"] else "DIFFERENT (a bug: greedy speculative decoding must be lossless)"
@@ -168,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
 def _plot(runs, k, path) -> None:
     import matplotlib
 
+    from dspark_jax.bench.acceptance import MIN_PLOT_ROUNDS, acceptance_bars
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -176,13 +179,14 @@ def _plot(runs, k, path) -> None:
     for i, r in enumerate(runs):
         m = r["metrics"]["verify-all"]
         xs = np.arange(1, k + 1) + (i - (len(runs) - 1) / 2) * width
-        ax1.bar(xs, m.acceptance, width, label=f"T = {r['T']:g} (tau {m.tau:.2f})")
+        acceptance_bars(ax1, xs, m.acceptance, m.verified_at, width, f"T = {r['T']:g} (tau {m.tau:.2f})", f"C{i}")
     ax1.set_xticks(np.arange(1, k + 1))
     ax1.set_xlim(0.4, k + 0.6)
     ax1.set_xlabel("draft position k")
     ax1.set_ylabel("P(accept k | 1..k-1 accepted)")
-    ax1.set_ylim(0, 1)
-    ax1.set_title("DSpark per-position acceptance (every draft verified)")
+    ax1.set_ylim(0, 1.15)  # room for the counts above a bar at 1
+    ax1.set_title(f"DSpark per-position acceptance, every draft verified (hatched: < {MIN_PLOT_ROUNDS} rounds)",
+                  fontsize=9)
     ax1.legend()
     names = list(runs[0]["metrics"]) if runs else []
     xs = np.arange(len(runs))

@@ -140,6 +140,28 @@ def timed_generate(engine, requests, warmup_tokens: int = 16):
     return results, engine.metrics
 
 
+# A position measured on fewer rounds than this is drawn hollow and labelled with its count, not as data.
+MIN_PLOT_ROUNDS = 30
+
+
+def fmt_counts(counts, width: int = 7) -> str:
+    """The rounds behind each acc@k (columns aligned with `fmt_acc`)."""
+    return " ".join(f"{int(counts[k]):5d}" if k < len(counts) else "  -  " for k in range(width))
+
+
+def acceptance_bars(ax, xs, acc, counts, width: float, label: str, color: str) -> None:
+    """Bars of per-position acceptance with the rounds behind each written above it; a position seen
+    on fewer than MIN_PLOT_ROUNDS rounds is drawn as an empty hatched outline (too few to read)."""
+    acc = np.asarray([np.nan if a is None else a for a in acc], float)
+    counts = np.asarray(counts, int)
+    solid = counts >= MIN_PLOT_ROUNDS
+    ax.bar(xs[solid], acc[solid], width, label=label, color=color)
+    if (~solid).any():
+        ax.bar(xs[~solid], np.nan_to_num(acc[~solid]), width, fill=False, hatch="//", edgecolor=color)
+    for x, a, n in zip(xs, acc, counts):
+        ax.text(x, (0 if np.isnan(a) else a) + 0.01, f"n={n}", ha="center", va="bottom", fontsize=6, rotation=90)
+
+
 def fmt_acc(acc, width: int = 7) -> str:
     cells = []
     for k in range(width):
@@ -242,6 +264,7 @@ def print_table(rows, max_tokens, n_prompts) -> None:
         print(f"{DESCRIPTIONS[r['draft']]:32s} {r['temperature']:>3g} {r['tau']:6.3f}  "
               f"{fmt_acc(r['acceptance'], kmax)}  {eb:>7s} {ea:>7s}"
               + (f" {r['ece_refit_in_sample']:7.4f}" if "ece_refit_in_sample" in r else ""))
+        print(f"{'  rounds behind each acc@k':32s} {'':>3s} {'':>6s}  {fmt_counts(r['verified_at'], kmax)}")
     print("tau = emitted tokens per request-round (accepted drafts + 1); acc@k = P(accept k | 1..k-1 accepted);")
     print("ECE of the prefix-survival confidence, raw (T_k = 1) and with the committed STS temperatures"
           " (fitted at T = 1 on other held-out files)" + ("; refit* = STS refitted on these very rounds"
@@ -260,16 +283,16 @@ def plot(rows, path) -> None:
         sel = [r for r in rows if r["temperature"] == t]
         width = 0.8 / max(len(sel), 1)
         for i, r in enumerate(sel):
-            acc = [np.nan if a is None else a for a in r["acceptance"]]
-            xs = np.arange(1, len(acc) + 1) + (i - (len(sel) - 1) / 2) * width
-            ax.bar(xs, acc, width, label=f"{DESCRIPTIONS[r['draft']]} (tau {r['tau']:.2f})")
-        ax.set_title(f"conditional acceptance, T = {t:g}")
+            xs = np.arange(1, len(r["acceptance"]) + 1) + (i - (len(sel) - 1) / 2) * width
+            acceptance_bars(ax, xs, r["acceptance"], r["verified_at"], width,
+                            f"{DESCRIPTIONS[r['draft']]} (tau {r['tau']:.2f})", f"C{i}")
+        ax.set_title(f"conditional acceptance, T = {t:g} (hatched: < {MIN_PLOT_ROUNDS} rounds)")
         kmax = max(len(r["acceptance"]) for r in sel)
         ax.set_xticks(np.arange(1, kmax + 1))
         ax.set_xlim(0.4, kmax + 0.6)
         ax.set_xlabel("draft position k")
         ax.set_ylabel("P(accept k | 1..k-1 accepted)")
-        ax.set_ylim(0, 1)
+        ax.set_ylim(0, 1.15)  # room for the counts above a bar at 1
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
