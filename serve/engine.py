@@ -450,7 +450,7 @@ class Engine:
             probe = not awaiting and (self._capacity is None
                                       or (self._capacity == 0 and self._plain_run >= self._probe_every))
             most = most if probe else min(most, self._capacity or 0)
-            rounds = 1 if probe else rounds
+            rounds = 1 if probe or awaiting else rounds  # awaiting: one plain step, then the answer is read
             self._probe_pending = self._probe_pending or probe
         if most == 0 and not probe:
             # Nothing to verify: the plain step program (a width-1 round's tokens, without the draft's
