@@ -150,13 +150,14 @@ def test_memory_bench_counts_checkpoint_and_per_chip_bytes():
     of the experts on expert=4."""
     from dspark_jax.bench import memory
     from dspark_jax.checkpoint import v41
+    from dspark_jax.nn.packed import nbytes
 
     cfg = lowering.flash_config()
     ckpt = memory.checkpoint_bytes(cfg)
     assert 7.8e9 < ckpt < 8.0e9
     packed = lowering.flash_pair("xla", draft_params=v41.abstract_packed_params(cfg))
     plain = lowering.flash_pair("xla")
-    packed_bytes, plain_bytes = (memory.tree_bytes(p.weights.draft) for p in (packed, plain))
+    packed_bytes, plain_bytes = (nbytes(p.weights.draft) for p in (packed, plain))
     assert packed_bytes <= 1.1 * ckpt and 3.4 < plain_bytes / ckpt < 3.8
     per_chip = memory.tree_bytes_per_chip(lowering.sharded_weights(packed, MESH).draft)
     assert packed_bytes / 4 < per_chip < packed_bytes / 2  # the experts (most bytes) split 4 ways

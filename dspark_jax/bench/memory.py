@@ -61,16 +61,10 @@ def tree_bytes_per_chip(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def tree_bytes(tree) -> int:
-    import jax  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
-
-    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
 def measure(precision: str, axes: dict[str, int], args) -> dict:
     from dspark_jax import lowering  # noqa: PLC0415
     from dspark_jax.checkpoint import v41  # noqa: PLC0415
+    from dspark_jax.nn import packed  # noqa: PLC0415
 
     cfg = lowering.flash_config()
     draft = v41.abstract_packed_params(cfg) if precision == "checkpoint" else None
@@ -83,7 +77,7 @@ def measure(precision: str, axes: dict[str, int], args) -> dict:
     row = {
         "precision": precision,
         "draft_bytes_per_chip": tree_bytes_per_chip(weights.draft),
-        "draft_bytes": tree_bytes(weights.draft),
+        "draft_bytes": packed.nbytes(weights.draft),
         "checkpoint_draft_bytes": checkpoint_bytes(cfg),
         "backbone_bytes_per_chip": tree_bytes_per_chip(weights.backbone),
         "tied_bytes_per_chip": tree_bytes_per_chip(weights.tied),
