@@ -15,6 +15,8 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("dspark_jax.serve.generate_cli", "speculative generation: prompts JSONL in, outputs JSONL out"),
     "train": ("dspark_jax.train.cli", "train a DSpark draft against a frozen backbone"),
+    "regenerate": ("dspark_jax.train.regenerate_cli", "on-policy draft training data: the backbone continues "
+                                                      "training prompts"),
     "calibrate": ("dspark_jax.calibration_cli", "fit STS confidence temperatures from round records"),
     "profile": ("dspark_jax.serve.profile_cli", "measure the verify cost table of the engine's jitted step"),
     "convert": ("dspark_jax.checkpoint.convert_cli", "convert checkpoints (safetensors <-> ours)"),

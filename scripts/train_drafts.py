@@ -5,8 +5,8 @@
 
 1. converts the trained backbone (build/default_model/backbone/backbone.safetensors, written by
    scripts/train_backbone.py) into the Orbax params checkpoint the draft trainer reads;
-2. writes the draft training data: the stdlib training split (train.bin) cut into 256-token
-   `{"tokens": [...]}` records;
+2. (the data, build/default_model/regen.jsonl, is the backbone's own continuations of training-split
+   prompts, written before this script by `dspark regenerate`: see scripts/build_default.sh);
 3. runs `dspark train --config configs/default_train_draft_<name>.yaml` for each draft (block 7 with the
    Markov head, the same with markov_rank 0, and block 1); each run resumes from its own checkpoints;
 4. exports each run's final draft parameters to <run_dir>/draft.safetensors + draft.json (DSparkConfig).
@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ("dspark", "parallel", "onetoken")
@@ -38,17 +37,6 @@ def convert_backbone(bdir: Path) -> Path:
     params = unflatten_strict(open_checkpoint(bdir / "backbone.safetensors"), bb.abstract_params(), "backbone")
     out = save_params(bdir / "orbax", params, overwrite=True)
     print(f"backbone -> Orbax params {out}", flush=True)
-    return out
-
-
-def write_windows(corpus: Path, seq_len: int) -> Path:
-    out = corpus / "train_windows.jsonl"
-    toks = np.fromfile(corpus / "train.bin", dtype=np.uint16)
-    n = toks.size // seq_len
-    with open(out, "w") as f:
-        for i in tqdm(range(n), desc="draft data", unit="rec", mininterval=2.0):
-            f.write(json.dumps({"tokens": toks[i * seq_len:(i + 1) * seq_len].tolist()}) + "\n")
-    print(f"draft data: {n} records of {seq_len} tokens -> {out}", flush=True)
     return out
 
 
@@ -79,16 +67,13 @@ def main(argv=None) -> int:
     ap.add_argument("--names", nargs="+", default=list(NAMES), choices=NAMES)
     ap.add_argument("--steps", type=int, default=None, help="override the YAML's steps (same for every draft)")
     ap.add_argument("--backbone-dir", default="build/default_model/backbone")
-    ap.add_argument("--corpus", default="build/default_model/corpus")
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--prepare-only", action="store_true", help="only steps 1-2 (backbone conversion, data)")
-    ap.add_argument("--skip-prepare", action="store_true", help="skip steps 1-2 (already done)")
+    ap.add_argument("--prepare-only", action="store_true", help="only step 1 (backbone conversion)")
+    ap.add_argument("--skip-prepare", action="store_true", help="skip step 1 (already done)")
     ap.add_argument("--export-only", action="store_true", help="only step 4 (export the latest checkpoints)")
     args = ap.parse_args(argv)
 
     if not (args.export_only or args.skip_prepare):
         convert_backbone(ROOT / args.backbone_dir)
-        write_windows(ROOT / args.corpus, args.seq_len)
         if args.prepare_only:
             return 0
     for name in args.names:
