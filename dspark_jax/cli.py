@@ -14,6 +14,7 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("dspark_jax.serve.generate_cli", "speculative generation: prompts JSONL in, outputs JSONL out"),
+    "serve": ("dspark_jax.serve.serve_cli", "OpenAI-compatible HTTP server (completions, chat, streaming, metrics)"),
     "train": ("dspark_jax.train.cli", "train a DSpark draft against a frozen backbone"),
     "regenerate": ("dspark_jax.train.regenerate_cli", "on-policy draft training data: the backbone continues "
                                                       "training prompts"),

@@ -324,6 +324,16 @@ class Engine:
         return sum(self.cancel(rid) for rid in ids)
 
     @property
+    def queued(self) -> int:
+        """Requests submitted and waiting for a slot."""
+        return len(self._queue)
+
+    @property
+    def active(self) -> int:
+        """Requests holding a slot."""
+        return len(self._live)
+
+    @property
     def in_flight(self) -> int:
         """Dispatched programs whose output has not been read yet."""
         return len(self._pending)

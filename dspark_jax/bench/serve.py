@@ -11,7 +11,8 @@ same workload, seeded, for every engine). The engine has c slots and runs, in tu
 Each engine serves the workload once to compile, then `--repeats` timed runs go round-robin over the
 engines (so a slow spell of a shared machine hits them all alike) and each engine keeps its best run. Printed: tokens/s
 and mean drafts verified per request-round per concurrency, async / best static, async / plain; a
-plot with tokens/s against concurrency goes to --plot.
+plot with tokens/s against concurrency goes to --plot. `--http` runs the sweep through `dspark serve` on
+loopback instead (plain vs async; throughput, time to first token, inter-token latency: bench/serve_http.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per engine (best kept)")
     parser.add_argument("--plot", default="bench_serve.png")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--http", action="store_true",
+                        help="through `dspark serve` on loopback: plain vs async, throughput, TTFT and ITL p50/p99")
+    parser.add_argument("--http-timeout", type=float, default=600.0, help="per-request deadline with --http (s)")
 
 
 def workload(bundle, n: int, args, seed: int = 0):
@@ -79,6 +83,14 @@ def run(args: argparse.Namespace) -> int:
     from dspark_jax.serve.profile import cached_cost_table
 
     bundle = load_model(args)
+    if args.http:
+        from dspark_jax.bench.serve_http import run_http
+
+        rows = run_http(args, bundle, [int(x) for x in args.concurrency.split(",")], workload)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     model, weights = bundle.model, bundle.weights
     k = model.block_size
     statics = [int(x) for x in args.static.split(",")] if args.static else list(range(1, k + 1))

@@ -1,0 +1,232 @@
+"""`dspark serve`'s HTTP layer: an OpenAI-compatible API (FastAPI + SSE) over one `EngineLoop`.
+
+    app = create_app(loop, tokenizer=tok, model_name="dspark-default")
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming with `"stream": true`),
+GET /v1/models, GET /health (503 until the engine is compiled and warm), GET /metrics (Prometheus).
+Each request becomes one engine request; its tokens reach the client as the rounds that made them are
+read. A client that goes away is cancelled at once (its slot serves the next request). Errors are
+OpenAI error objects: 400 naming the field, 429 with Retry-After when every slot and the queue are
+full, 500 to the requests an engine failure hit (the loop rebuilds the engine and serves on), 503 while
+warming up or shutting down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from dspark_jax.serve import openai_api as oa
+from dspark_jax.serve.engine import Event, Request
+from dspark_jax.serve.loop import EngineLoop, QueueFull, ShuttingDown
+from dspark_jax.serve.metrics import ServerMetrics
+
+_POLL_S = 0.1  # how often a waiting non-streaming handler checks that its client is still there
+
+
+def error_response(err: oa.ApiError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def create_app(loop: EngineLoop, *, tokenizer=None, model_name: str = "dspark", default_max_tokens: int = 16,
+               metrics: ServerMetrics | None = None) -> FastAPI:
+    app = FastAPI(title="dspark_jax", docs_url=None, redoc_url=None)
+    metrics = metrics or ServerMetrics(loop)
+    app.state.loop, app.state.metrics = loop, metrics
+    created = oa.now()
+    engine_cfg = loop.engine.config
+    vocab = loop.engine.vocab
+
+    @app.exception_handler(oa.ApiError)
+    async def _api_error(_, err: oa.ApiError):
+        return error_response(err, {"Retry-After": "1"} if err.status == 429 else None)
+
+    async def read_json(http: HttpRequest) -> dict:
+        try:
+            body = json.loads(await http.body() or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise oa.ApiError(400, f"the request body is not valid JSON ({err})", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise oa.ApiError(400, "the request body must be a JSON object", code="invalid_json")
+        return body
+
+    def parse(body: dict, prompt: list[int]) -> oa.Params:
+        oa.check_unsupported(body)
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise oa.bad("model", "expected a string")
+        return oa.parse_common(body, prompt, vocab=vocab, max_len=engine_cfg.max_len,
+                               max_stop_tokens=engine_cfg.max_stop_tokens, default_max_tokens=default_max_tokens)
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        body = await read_json(http)
+        prompt = oa.parse_prompt(body.get("prompt"), tokenizer, vocab)
+        return await serve(http, parse(body, prompt), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest):
+        body = await read_json(http)
+        if tokenizer is None:
+            raise oa.bad("messages", "this model has no tokenizer, so it cannot apply a chat template")
+        prompt = oa.parse_prompt(oa.chat_prompt(body.get("messages")), tokenizer, vocab, name="messages")
+        if "max_completion_tokens" in body and "max_tokens" not in body:
+            body = {**body, "max_tokens": body["max_completion_tokens"]}
+        return await serve(http, parse(body, prompt), chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "dspark_jax"}]}
+
+    @app.get("/health")
+    async def health():
+        if not loop.ready.is_set():
+            return JSONResponse({"status": "warming up"}, status_code=503)
+        return {"status": "ok", "slots": engine_cfg.max_slots, "active": loop.active_slots,
+                "queued": loop.queue_depth}
+
+    @app.get("/metrics")
+    async def prometheus():
+        text, content_type = metrics.render()
+        return PlainTextResponse(text, media_type=content_type)
+
+    async def serve(http: HttpRequest, p: oa.Params, *, chat: bool):
+        if not loop.ready.is_set():
+            raise oa.ApiError(503, "the engine is still compiling; retry when GET /health says ok",
+                              code="warming_up", type_="server_error")
+        aloop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little")
+        req = Request(p.prompt, max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                      seed=seed, stop_tokens=tuple(p.stop_tokens), id=p.user)
+        try:
+            ticket = loop.submit(req, lambda ev: aloop.call_soon_threadsafe(events.put_nowait, ev))
+        except QueueFull as err:
+            metrics.request_done("rejected")
+            raise oa.ApiError(429, f"server busy: {err}", code="queue_full", type_="rate_limit_error") from None
+        except ShuttingDown as err:
+            raise oa.ApiError(503, str(err), code="shutting_down", type_="server_error") from None
+        except (ValueError, TypeError) as err:
+            raise oa.ApiError(400, str(err), param=_param_of(str(err)), code="invalid_value") from None
+        metrics.prompt_tokens(len(p.prompt))
+        run = _Completion(loop, ticket, events, p, tokenizer, metrics,
+                          oa.new_id("chatcmpl" if chat else "cmpl"), model_name, chat)
+        if p.stream:
+            return StreamingResponse(run.sse(http), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await run.whole(http)
+
+    return app
+
+
+def _param_of(message: str) -> str | None:
+    """The engine's messages start with "request '<field>'"; map its field names to the API's."""
+    if message.startswith("request '"):
+        field = message.split("'")[1]
+        return {"stop_tokens": "stop"}.get(field, field)
+    return None
+
+
+class _Completion:
+    """One request's life in the HTTP layer: engine events -> text (cut at stop strings) -> the client."""
+
+    def __init__(self, loop: EngineLoop, ticket, events: asyncio.Queue, p: oa.Params, tokenizer,
+                 metrics: ServerMetrics, rid: str, model: str, chat: bool):
+        self.loop, self.ticket, self.events, self.p = loop, ticket, events, p
+        self.text = oa.TextStream(tokenizer, p.stop_strings)
+        self.metrics, self.rid, self.model, self.chat = metrics, rid, model, chat
+        self.created = oa.now()
+        self.generated = 0
+        self.finish: str | None = None
+        self.result = None
+
+    async def _next(self, http: HttpRequest) -> Event | None:
+        """The next engine event; None if the client went away (the request is then cancelled)."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.events.get(), _POLL_S)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    return None
+
+    def _take(self, ev: Event) -> str:
+        """Tokens of an event -> new text; sets `finish` when the request is over."""
+        tokens = list(ev.tokens)
+        if not self.text.stopped:  # tokens after a stop string are not part of the completion
+            self.generated += len(tokens)
+        if ev.finish_reason == "stop" and tokens and tokens[-1] in self.p.stop_tokens:
+            tokens = tokens[:-1]  # a stop token ends the text and is not part of it (as a stop string)
+        delta = self.text.push(tokens, final=bool(ev.finish_reason))
+        if self.text.stopped and not ev.finish_reason:  # a stop string: the engine need not go on
+            self.loop.cancel(self.ticket)
+            self.finish = "stop"
+        elif ev.finish_reason:
+            self.result = ev.result
+            if ev.finish_reason == "error":
+                self.finish = "error"
+            elif self.finish is None:
+                self.finish = "stop" if ev.finish_reason in ("stop", "cancelled") else "length"
+            self.metrics.request_done(self.finish, generated=self.generated, result=ev.result)
+        return delta
+
+    def _extra(self) -> dict:
+        res = self.result
+        rounds, accepted = (res.rounds, res.accepted) if res is not None else (0, 0)
+        return {"usage": oa.usage(len(self.p.prompt), self.generated),
+                "dspark": oa.dspark_stats(rounds, accepted, self.generated)}
+
+    def _engine_error(self, ev: Event) -> oa.ApiError:
+        return oa.ApiError(500, ev.error or "internal engine error", code="engine_error", type_="server_error")
+
+    async def whole(self, http: HttpRequest):
+        parts = []
+        while True:
+            ev = await self._next(http)
+            if ev is None:
+                self.loop.cancel(self.ticket)
+                self.metrics.request_done("disconnected", generated=self.generated)
+                return JSONResponse({}, status_code=499)
+            parts.append(self._take(ev))
+            if ev.finish_reason:
+                break
+        if self.finish == "error":
+            return error_response(self._engine_error(ev))
+        return oa.completion_object(self.rid, self.model, self.created, chat=self.chat, chunk=False,
+                                    text="".join(parts), finish=self.finish, extra=self._extra())
+
+    def _chunk(self, text: str | None = None, delta: dict | None = None, finish: str | None = None,
+               extra: dict | None = None) -> str:
+        obj = oa.completion_object(self.rid, self.model, self.created, chat=self.chat, chunk=True, text=text,
+                                   delta=delta, finish=finish, extra=extra)
+        return f"data: {json.dumps(obj)}\n\n"
+
+    async def sse(self, http: HttpRequest):
+        done = False
+        try:
+            if self.chat:
+                yield self._chunk(delta={"role": "assistant", "content": ""})
+            while True:
+                ev = await self._next(http)
+                if ev is None:
+                    return
+                delta = self._take(ev)
+                if delta:
+                    yield self._chunk(text=delta, delta={"content": delta})
+                if ev.finish_reason:
+                    break
+            done = True
+            if self.finish == "error":
+                yield f"data: {json.dumps(self._engine_error(ev).body())}\n\n"
+            else:
+                yield self._chunk(text="", delta={}, finish=self.finish, extra=self._extra())
+            yield "data: [DONE]\n\n"
+        finally:
+            if not done:  # the client went away (or the server is stopping): free the slot now
+                self.loop.cancel(self.ticket)
+                self.metrics.request_done("disconnected", generated=self.generated)

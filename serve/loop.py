@@ -1,0 +1,233 @@
+"""One engine, driven by its own thread, fed by many callers: the core of `dspark serve`.
+
+    loop = EngineLoop(make_engine, max_queue=64)
+    loop.start()                                   # warms up (compiles) in the thread; loop.ready after
+    ticket = loop.submit(Request(...), on_event)   # on_event(Event) is called from the loop thread
+    loop.cancel(ticket)                            # the slot is freed before the next round
+    loop.shutdown(grace_s=30)                      # refuse new work, finish what runs, stop
+
+Continuous batching is the engine's: requests join free slots between rounds and every round's tokens
+are handed out as the round is read. The loop adds what a server needs around it:
+  * back-pressure: at most `max_slots + max_queue` requests are accepted at once (`QueueFull` beyond);
+  * isolation: if the engine raises, every request it held gets an error event (their callers answer
+    500), the engine is rebuilt with `make_engine()` (its compiled programs stay in JAX's cache) and the
+    next requests are served;
+  * callers on other threads: submit/cancel only enqueue commands; the loop thread alone touches the
+    engine, between steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+import traceback
+from typing import Callable
+
+from dspark_jax.serve.engine import Engine, Event, Request, Result
+
+
+class QueueFull(RuntimeError):
+    """Every slot is busy and the waiting queue is full; try again later."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is stopping and accepts no new requests."""
+
+
+@dataclasses.dataclass
+class Ticket:
+    """One accepted request, as the loop tracks it."""
+
+    number: int
+    request: Request
+    on_event: Callable[[Event], None]
+    engine_id: int | None = None  # set once the loop thread has submitted it
+
+
+@dataclasses.dataclass
+class LoopStats:
+    rounds: int = 0
+    round_seconds: list = dataclasses.field(default_factory=list)  # drained by the metrics collector
+    failures: int = 0
+    rebuilds: int = 0
+
+
+class EngineLoop:
+    def __init__(self, make_engine: Callable[[], Engine], *, max_queue: int = 64, warmup: bool = True,
+                 on_round: Callable[[float], None] | None = None):
+        self._make_engine = make_engine
+        self.engine = make_engine()
+        self.max_queue = int(max_queue)
+        self.capacity = self.engine.config.max_slots + self.max_queue
+        self._warmup = warmup
+        self._on_round = on_round
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._tickets: dict[int, Ticket] = {}  # accepted and not finished
+        self._by_engine_id: dict[int, Ticket] = {}
+        self._lock = threading.Lock()
+        self._numbers = itertools.count()
+        self._accepting = True
+        self._stop = threading.Event()
+        self.ready = threading.Event()
+        self.stats = LoopStats()
+        self._thread = threading.Thread(target=self._run, name="dspark-engine-loop", daemon=True)
+
+    # ---- callers (any thread) ----------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def validate(self, request: Request) -> None:
+        """ValueError naming what is wrong with the request (the engine's own checks)."""
+        self.engine.validate(request)
+
+    def submit(self, request: Request, on_event: Callable[[Event], None]) -> Ticket:
+        self.validate(request)
+        with self._lock:
+            if not self._accepting:
+                raise ShuttingDown("the server is shutting down")
+            if len(self._tickets) >= self.capacity:
+                raise QueueFull(f"all {self.engine.config.max_slots} slots are busy and {self.max_queue} requests "
+                                "are waiting")
+            ticket = Ticket(next(self._numbers), request, on_event)
+            self._tickets[ticket.number] = ticket
+        self._commands.put(("submit", ticket))
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        self._commands.put(("cancel", ticket))
+
+    @property
+    def accepted(self) -> int:
+        """Requests accepted and not finished (running or waiting)."""
+        return len(self._tickets)
+
+    @property
+    def active_slots(self) -> int:
+        return self.engine.active
+
+    @property
+    def queue_depth(self) -> int:
+        return max(0, self.accepted - self.active_slots)
+
+    def shutdown(self, grace_s: float = 30.0) -> bool:
+        """Refuse new requests, let the accepted ones finish for up to `grace_s`, cancel the rest, stop.
+        -> True when everything finished within the grace period."""
+        with self._lock:
+            self._accepting = False
+        deadline = time.monotonic() + grace_s
+        while self._tickets and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.02)
+        clean = not self._tickets
+        self._commands.put(("cancel_all", None))
+        self._stop.set()
+        self._commands.put(("wake", None))
+        if self._thread.is_alive():
+            self._thread.join(timeout=10.0)
+        return clean
+
+    # ---- the loop thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        if self._warmup:
+            self._warm_up()
+        self.ready.set()
+        while True:
+            idle = self.engine.idle
+            if self._stop.is_set() and idle:
+                return
+            self._take_commands(block=idle)
+            if self.engine.idle:
+                continue
+            t0 = time.perf_counter()
+            try:
+                events = self.engine.step()
+            except Exception as err:  # noqa: BLE001 (any engine fault: fail these requests, keep serving)
+                self._recover(err)
+                continue
+            dt = time.perf_counter() - t0
+            self.stats.rounds += 1
+            if self._on_round is not None:
+                self._on_round(dt)
+            for ev in events:
+                self._deliver(ev)
+
+    def _warm_up(self) -> None:
+        """Compile the programs a first request needs (admission, a plain step and a speculative round,
+        greedy and sampled) before the server says it is ready."""
+        vocab = self.engine.vocab
+        reqs = [Request([1 % vocab, 2 % vocab], max_tokens=2 * self.engine.k + 2, temperature=t, seed=0)
+                for t in (0.0, 1.0)]
+        try:
+            self.engine.generate(reqs)
+        finally:
+            self.engine = self._make_engine()  # fresh metrics and state; the compiled programs stay cached
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(*cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, kind: str, ticket: Ticket | None) -> None:
+        if kind == "submit":
+            if ticket.number not in self._tickets:  # cancelled before it was submitted
+                return
+            try:
+                ticket.engine_id = self.engine.submit(ticket.request)
+            except (ValueError, TypeError) as err:
+                self._finish(ticket, Event(-1, ticket.request.id, [], "error", str(err),
+                                           Result(ticket.request.id, [], "error", str(err))))
+                return
+            self._by_engine_id[ticket.engine_id] = ticket
+        elif kind == "cancel":
+            if ticket.engine_id is None:
+                if self._tickets.get(ticket.number) is ticket:
+                    self._finish(ticket, Event(-1, ticket.request.id, [], "cancelled",
+                                               result=Result(ticket.request.id, [], "cancelled")))
+            elif not self.engine.cancel(ticket.engine_id):
+                pass  # already finished: its finish event was (or is being) delivered
+        elif kind == "cancel_all":
+            self.engine.cancel_all()
+
+    def _deliver(self, ev: Event) -> None:
+        ticket = self._by_engine_id.get(ev.id)
+        if ticket is None:
+            return
+        if ev.finish_reason:
+            self._by_engine_id.pop(ev.id, None)
+            self._finish(ticket, ev)
+        else:
+            self._call(ticket, ev)
+
+    def _finish(self, ticket: Ticket, ev: Event) -> None:
+        with self._lock:
+            self._tickets.pop(ticket.number, None)
+        self._call(ticket, ev)
+
+    @staticmethod
+    def _call(ticket: Ticket, ev: Event) -> None:
+        try:
+            ticket.on_event(ev)
+        except Exception:  # noqa: BLE001 (one caller's broken callback must not stop the loop)
+            traceback.print_exc()
+
+    def _recover(self, err: Exception) -> None:
+        """The engine raised: every request it held fails with the error; a fresh engine takes over."""
+        self.stats.failures += 1
+        message = f"internal engine error: {type(err).__name__}: {err}"
+        traceback.print_exc()
+        held = list(self._by_engine_id.values())
+        self._by_engine_id.clear()
+        for ticket in held:
+            self._finish(ticket, Event(ticket.engine_id, ticket.request.id, [], "error", message,
+                                       Result(ticket.request.id, [], "error", message)))
+        self.engine = self._make_engine()
+        self.stats.rebuilds += 1

@@ -1,0 +1,109 @@
+"""`dspark serve`: the OpenAI-compatible HTTP server (see serve/http.py; README "Serving over HTTP").
+
+    dspark serve --bundle DIR [--host 127.0.0.1] [--port 8000] [--mode async] [--slots 8] [--max-len 512]
+                 [--max-queue 64]
+
+Binds to loopback unless --host says otherwise. SIGTERM / Ctrl-C: stop accepting, let the requests in
+flight finish for up to --grace seconds, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dspark_jax.serve.cli_common import add_model_arguments, load_model
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--mode", default="async", choices=("async", "sync", "off", "fixed", "plain"),
+                        help="engine mode (async: the load-aware scheduler on a measured cost table)")
+    parser.add_argument("--num-verify", type=int, default=None, help="drafts verified per round in mode fixed")
+    parser.add_argument("--slots", type=int, default=8, help="concurrent requests in the batch")
+    parser.add_argument("--max-len", type=int, default=512, help="context per request (prompt + completion)")
+    parser.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
+    parser.add_argument("--max-tokens", type=int, default=16, help="default max_tokens of a request")
+    parser.add_argument("--cost-table", default=None,
+                        help="cost table JSON for modes sync/async (default: the bundle's, else measured once "
+                             "on this machine and cached)")
+    parser.add_argument("--model-name", default=None, help="the model id in responses (default: the bundle name)")
+    parser.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
+    parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def _check(args) -> None:
+    for name, lo in (("port", 0), ("slots", 1), ("max_len", 8), ("max_queue", 0), ("max_tokens", 1)):
+        v = getattr(args, name)
+        if v < lo or (name == "port" and v > 65535):
+            raise ValueError(f"--{name.replace('_', '-')}: expected {'a port in [0, 65535]' if name == 'port' else f'>= {lo}'}, "
+                             f"got {v}")
+    if args.grace < 0:
+        raise ValueError(f"--grace: expected >= 0 seconds, got {args.grace}")
+
+
+def _cost_table(args, bundle):
+    if args.mode not in ("sync", "async"):
+        return None
+    from dspark_jax.schedule import CostTable
+    from dspark_jax.serve.profile import cached_cost_table
+
+    if args.cost_table:
+        return CostTable.from_json(args.cost_table)
+    if bundle.cost_table is not None:
+        return bundle.cost_table
+    table, where = cached_cost_table(bundle, slots=args.slots, max_len=args.max_len, progress=True)
+    print(f"dspark serve: cost table {where}", file=sys.stderr)
+    return table
+
+
+def build_app(args):
+    """-> (FastAPI app, EngineLoop) for the parsed arguments (also used by the tests)."""
+    from contextlib import asynccontextmanager
+
+    from dspark_jax.serve.engine import Engine, EngineConfig
+    from dspark_jax.serve.http import create_app
+    from dspark_jax.serve.loop import EngineLoop
+    from dspark_jax.serve.metrics import ServerMetrics
+
+    bundle = load_model(args)
+    table = _cost_table(args, bundle)
+    config = EngineConfig(max_slots=args.slots, max_len=args.max_len, mode=args.mode, num_verify=args.num_verify,
+                          progress=False)
+
+    def make_engine():
+        return Engine(bundle.model, bundle.weights, config, cost_table=table)
+
+    metrics = ServerMetrics()
+    loop = EngineLoop(make_engine, max_queue=args.max_queue, on_round=metrics.observe_round)
+    metrics.attach(loop)
+    name = args.model_name or (bundle.path.name if bundle.path is not None else "dspark-random-tiny")
+    app = create_app(loop, tokenizer=bundle.tokenizer, model_name=name, default_max_tokens=args.max_tokens,
+                     metrics=metrics)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        loop.start()
+        yield
+        loop.shutdown(args.grace)
+
+    app.router.lifespan_context = lifespan
+    return app, loop
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        _check(args)
+    except ValueError as err:
+        print(f"dspark serve: {err}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    app, _ = build_app(args)
+    print(f"dspark serve: http://{args.host}:{args.port}/v1 (compiling; GET /health says ok when ready)",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=max(1, int(round(args.grace))))
+    return 0
