@@ -55,7 +55,10 @@ Built by `bash scripts/build_default.sh` (see the scripts for every step); nothi
   temperatures fitted on held-out rounds at T = 1.
 - `variants/parallel/`: the same draft with `markov_rank 0` (pure parallel); `variants/onetoken/`: block 1.
   Each: `draft.json` (DSparkConfig), `draft.safetensors`, `calibration.json`. Same training budget as the
-  main draft (`configs/default_train_draft_*.yaml`, {d_steps} steps x 8 sequences x 256 tokens).
+  main draft (`configs/default_train_draft_*.yaml`, {d_steps} steps x 8 sequences x 256 tokens), on the same
+  on-policy data: 4096 prompts of 64 tokens cut from the training split, each continued for 192 tokens by
+  this backbone itself (`dspark regenerate`, T = 0 and T = 1 alternating; the loss covers the
+  continuations only), so the drafts learn the backbone, not the corpus.
 - `tokenizer.json`: byte-level BPE, {vocab} tokens, trained on the training split; id 0 `<|endoftext|>`,
   id 1 `<|noise|>` (the drafts' noise token).
 - `prompts.jsonl`: evaluation prompts cut from held-out stdlib files (used by `dspark demo` and

@@ -136,6 +136,9 @@ Built by `bash scripts/build_default_qwen3.sh` (see the scripts for every step);
   a Hugging Face Qwen3 folder, and `dspark convert DRAFT DEST --to bundle --backbone TARGET` joined them.
 - `tokenizer.json`, `prompts.jsonl`, the corpus: shared with `dspark_jax/assets/default` (stdlib sources,
   split by file; the evaluation prompts and the calibration prompts come from different held-out files).
+- The draft's training data is on-policy: 4096 prompts of 64 tokens cut from the training split, each
+  continued for 192 tokens by this target itself (`dspark regenerate`, T = 0 and T = 1 alternating; the
+  loss covers the continuations only), so the draft learns the target, not the corpus.
 - `training.json`, `logs/`: final training numbers, the raw training logs, the calibration summary and
   the `dspark bench acceptance` numbers (`acceptance.json`).
 

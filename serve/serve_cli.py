@@ -104,6 +104,24 @@ def run(args: argparse.Namespace) -> int:
     app, _ = build_app(args)
     print(f"dspark serve: http://{args.host}:{args.port}/v1 (compiling; GET /health says ok when ready)",
           file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=max(1, int(round(args.grace))))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=max(1, int(round(args.grace))))
+    serve_until_stopped(config)
     return 0
+
+
+def serve_until_stopped(config) -> None:
+    """uvicorn.Server.run, except that a SIGTERM ends the process with exit 0: uvicorn re-raises the
+    signal that stopped it once it has shut down (the process would end "killed by SIGTERM"), but
+    SIGTERM is how a server is asked to stop, and a clean stop is a success."""
+    import signal
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:
+                self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+    GracefulServer(config).run()
