@@ -51,10 +51,10 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from dspark_jax import sampling
 from dspark_jax import spec_round as sr
 from dspark_jax.schedule import CostTable, width_buckets
 from dspark_jax.serve import decode_state as ds
+from dspark_jax.serve.request_check import Request, RequestError, check_request  # noqa: F401 (re-exported)
 
 MODES = ("off", "fixed", "sync", "async", "plain")
 # Plain steps between the async engine's probes when the capacity is 0: doubling from a floor to the
@@ -76,18 +76,6 @@ def probe_interval_floor(table: CostTable | None, slots: int, k: int) -> int:
         return _MAX_PROBE_INTERVAL
     extra = plain / probe - 1.0  # the probe's cost beyond a plain step, in plain steps
     return int(np.clip(np.ceil(extra / _PROBE_OVERHEAD), _MIN_PROBE_INTERVAL, _MAX_PROBE_INTERVAL))
-
-
-@dataclasses.dataclass
-class Request:
-    prompt: Sequence[int]
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_tokens: Sequence[int] = ()
-    id: str | int | None = None
 
 
 @dataclasses.dataclass
@@ -267,35 +255,17 @@ class Engine:
         self._deferred = 0  # plain steps dispatched since the draft last caught up (a bound for every row)
 
     # ---- requests -----------------------------------------------------------------------------
-    def validate(self, req: Request) -> None:
-        """Raise ValueError naming the first thing wrong with `req`."""
-        prompt = list(req.prompt) if req.prompt is not None else []
-        if not prompt:
-            raise ValueError("request 'prompt': empty; expected at least one token")
-        bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < self.vocab]
-        if bad:
-            raise ValueError(f"request 'prompt': token ids must be integers in [0, {self.vocab}), got {bad[:5]}")
-        if len(prompt) + 1 >= self.config.max_len:
-            raise ValueError(f"request 'prompt': {len(prompt)} tokens does not fit the cache "
-                             f"(max_len={self.config.max_len} leaves room for {self.config.max_len - 2})")
-        if not isinstance(req.max_tokens, (int, np.integer)) or req.max_tokens < 1:
-            raise ValueError(f"request 'max_tokens': expected an integer >= 1, got {req.max_tokens!r}")
-        if not isinstance(req.seed, (int, np.integer)) or not 0 <= int(req.seed) < 2 ** 32:
-            raise ValueError(f"request 'seed': expected an integer in [0, 2^32), got {req.seed!r}")
-        stops = list(req.stop_tokens)
-        bad_stop = [t for t in stops if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < self.vocab]
-        if bad_stop:
-            raise ValueError(f"request 'stop_tokens': ids must be integers in [0, {self.vocab}), got {bad_stop}")
-        if len(stops) > self.config.max_stop_tokens:
-            raise ValueError(f"request 'stop_tokens': at most {self.config.max_stop_tokens} "
-                             f"(EngineConfig.max_stop_tokens), got {len(stops)}")
-        sampling.validate([req.temperature], [req.top_k], [req.top_p])
+    def validate(self, req: Request) -> Request:
+        """-> `req` checked and normalised (`serve/request_check.py`); RequestError names a bad field."""
+        return check_request(req, vocab=self.vocab, max_len=self.config.max_len,
+                             max_stop_tokens=self.config.max_stop_tokens)
 
     def submit(self, request: Request) -> int:
-        """Queue a request; -> its engine id. A bad request raises ValueError (nothing is queued)."""
-        self.validate(request)
+        """Queue a request; -> its engine id. A bad request raises RequestError (a ValueError naming the
+        field); nothing is queued."""
+        checked = self.validate(request)
         rid = next(self._ids)
-        self._queue.append((rid, request))
+        self._queue.append((rid, checked))
         return rid
 
     def cancel(self, rid: int) -> bool:
@@ -387,9 +357,9 @@ class Engine:
         for i, req in enumerate(requests):
             try:
                 index[self.submit(req)] = i
-            except (ValueError, TypeError) as err:
-                results[i] = Result(req.id, [], "error", str(err))
-        total = sum(requests[i].max_tokens for i in index.values())
+            except RequestError as err:
+                results[i] = Result(getattr(req, "id", None), [], "error", str(err))
+        total = sum(q.max_tokens for _, q in self._queue)
         bar = tqdm(total=total, desc=f"dspark {self.config.mode}", unit="tok", disable=not self.config.progress)
         mine = {rid: Result(requests[i].id, [], "") for rid, i in index.items()}
         t0 = time.perf_counter()

@@ -22,7 +22,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from dspark_jax.serve import openai_api as oa
-from dspark_jax.serve.engine import Event, Request
+from dspark_jax.serve.engine import Event, Request, RequestError
 from dspark_jax.serve.loop import EngineLoop, QueueFull, ShuttingDown
 from dspark_jax.serve.metrics import ServerMetrics
 
@@ -112,8 +112,9 @@ def create_app(loop: EngineLoop, *, tokenizer=None, model_name: str = "dspark", 
             raise oa.ApiError(429, f"server busy: {err}", code="queue_full", type_="rate_limit_error") from None
         except ShuttingDown as err:
             raise oa.ApiError(503, str(err), code="shutting_down", type_="server_error") from None
-        except (ValueError, TypeError) as err:
-            raise oa.ApiError(400, str(err), param=_param_of(str(err)), code="invalid_value") from None
+        except RequestError as err:
+            raise oa.ApiError(400, str(err), param=_API_PARAM.get(err.field, err.field),
+                              code="invalid_value") from None
         metrics.prompt_tokens(len(p.prompt))
         run = _Completion(loop, ticket, events, p, tokenizer, metrics,
                           oa.new_id("chatcmpl" if chat else "cmpl"), model_name, chat)
@@ -125,12 +126,8 @@ def create_app(loop: EngineLoop, *, tokenizer=None, model_name: str = "dspark", 
     return app
 
 
-def _param_of(message: str) -> str | None:
-    """The engine's messages start with "request '<field>'"; map its field names to the API's."""
-    if message.startswith("request '"):
-        field = message.split("'")[1]
-        return {"stop_tokens": "stop"}.get(field, field)
-    return None
+# The engine's Request field names that differ from the OpenAI parameter they come from.
+_API_PARAM = {"stop_tokens": "stop"}
 
 
 class _Completion:
@@ -172,7 +169,7 @@ class _Completion:
                 self.finish = "error"
             elif self.finish is None:
                 self.finish = "stop" if ev.finish_reason in ("stop", "cancelled") else "length"
-            self.metrics.request_done(self.finish, generated=self.generated, result=ev.result)
+            self.metrics.request_done(self.finish, generated=self.generated)
         return delta
 
     def _extra(self) -> dict:

@@ -26,7 +26,7 @@ import time
 import traceback
 from typing import Callable
 
-from dspark_jax.serve.engine import Engine, Event, Request, Result
+from dspark_jax.serve.engine import Engine, Event, Request, RequestError, Result
 
 
 class QueueFull(RuntimeError):
@@ -50,7 +50,6 @@ class Ticket:
 @dataclasses.dataclass
 class LoopStats:
     rounds: int = 0
-    round_seconds: list = dataclasses.field(default_factory=list)  # drained by the metrics collector
     failures: int = 0
     rebuilds: int = 0
 
@@ -79,9 +78,9 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def validate(self, request: Request) -> None:
-        """ValueError naming what is wrong with the request (the engine's own checks)."""
-        self.engine.validate(request)
+    def validate(self, request: Request) -> Request:
+        """-> the request checked; RequestError naming what is wrong (the engine's own checks)."""
+        return self.engine.validate(request)
 
     def submit(self, request: Request, on_event: Callable[[Event], None]) -> Ticket:
         self.validate(request)
@@ -122,8 +121,7 @@ class EngineLoop:
             time.sleep(0.02)
         clean = not self._tickets
         self._commands.put(("cancel_all", None))
-        self._stop.set()
-        self._commands.put(("wake", None))
+        self._stop.set()  # the idle loop polls its commands every 50 ms and sees it
         if self._thread.is_alive():
             self._thread.join(timeout=10.0)
         return clean
@@ -182,7 +180,7 @@ class EngineLoop:
                 return
             try:
                 ticket.engine_id = self.engine.submit(ticket.request)
-            except (ValueError, TypeError) as err:
+            except RequestError as err:  # checked in submit(); kept so a bad one can never stop the loop
                 self._finish(ticket, Event(-1, ticket.request.id, [], "error", str(err),
                                            Result(ticket.request.id, [], "error", str(err))))
                 return
@@ -192,8 +190,8 @@ class EngineLoop:
                 if self._tickets.get(ticket.number) is ticket:
                     self._finish(ticket, Event(-1, ticket.request.id, [], "cancelled",
                                                result=Result(ticket.request.id, [], "cancelled")))
-            elif not self.engine.cancel(ticket.engine_id):
-                pass  # already finished: its finish event was (or is being) delivered
+            else:  # False when it already finished: its finish event was (or is being) delivered
+                self.engine.cancel(ticket.engine_id)
         elif kind == "cancel_all":
             self.engine.cancel_all()
 

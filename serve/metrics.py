@@ -8,8 +8,6 @@ dispatched program: a speculative round or `rounds_per_call` plain steps).
 
 from __future__ import annotations
 
-import math
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -41,7 +39,7 @@ class ServerMetrics:
     def prompt_tokens(self, n: int) -> None:
         self.prompt.inc(n)
 
-    def request_done(self, outcome: str, *, generated: int = 0, result=None) -> None:
+    def request_done(self, outcome: str, *, generated: int = 0) -> None:
         self.requests.labels(outcome=outcome).inc()
         self.generated.inc(generated)
 
@@ -52,7 +50,7 @@ class ServerMetrics:
             self.tau.set(m.tau)
             self.mean_verify.set(m.mean_verify)
             for k, a in enumerate(m.acceptance, start=1):
-                self.acceptance.labels(position=str(k)).set(a if not math.isnan(a) else float("nan"))
+                self.acceptance.labels(position=str(k)).set(a)  # NaN: position never verified yet
             self.queue.set(loop.queue_depth)
             self.active.set(loop.active_slots)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -179,6 +179,14 @@ def test_bad_request_is_refused_at_submit_and_the_engine_keeps_serving():
     out = [ev for ev in eng.stream() if ev.id == good]
     assert out[-1].finish_reason == "length" and sum(len(e.tokens) for e in out) == 5
     assert not eng.cancel(good) and not eng.cancel(12345)
+    # generate(): a bad request becomes that request's error Result; the batch around it is served.
+    batch = [Request([1, 2, 3], max_tokens=4, id="a"), Request((t for t in [1]), id="gen"), "not a request",
+             Request([1, 2, 3], max_tokens=4, top_k=2 ** 40, temperature=1.0, seed=3, id="huge-k"),
+             Request([1, 2, 3], max_tokens=4, top_k=0, temperature=1.0, seed=3, id="no-k")]
+    res = eng.generate(batch)
+    assert [r.finish_reason for r in res] == ["length", "error", "error", "length", "length"]
+    assert "request 'prompt'" in res[1].error and "got str" in res[2].error
+    assert res[3].tokens == res[4].tokens  # top_k beyond the vocabulary is top-k off
 
 
 @pytest.mark.slow

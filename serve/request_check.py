@@ -1,0 +1,91 @@
+"""The one boundary a request crosses: every field of `Request` checked and normalised, host-side.
+
+`check_request` returns a copy the engine can trust (prompt and stop ids as tuples of Python ints,
+numbers as Python int / float, `top_k` clipped to the vocabulary) or raises `RequestError` naming the
+field. Everything after submit (admission writes int32 / float32 device rows) relies on it: a value
+that passed here cannot overflow or fail there, so one bad request never takes a batch down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Sequence
+
+_SEED_LIMIT = 2 ** 32
+
+
+class RequestError(ValueError):
+    """A request field is wrong. `field` is the `Request` attribute's name (the HTTP layer maps it)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"request '{field}': {message}")
+        self.field = field
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request (Python API). `prompt` and `stop_tokens`: token ids; `top_k` 0 and
+    `top_p` 1 are off; `seed` keys the request's randomness (the same seed, the same tokens)."""
+
+    prompt: Sequence[int]
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_tokens: Sequence[int] = ()
+    id: str | int | None = None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _token_ids(field: str, value, vocab: int, *, allow_empty: bool) -> tuple[int, ...]:
+    # A generator or a string would be consumed / split silently; only real sequences are token lists.
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) and not hasattr(value, "__array__"):
+        raise RequestError(field, f"expected a list of token ids, got {type(value).__name__}")
+    ids = list(value)
+    if not ids and not allow_empty:
+        raise RequestError(field, "empty; expected at least one token")
+    bad = [t for t in ids if not _is_int(t) or not 0 <= int(t) < vocab]
+    if bad:
+        raise RequestError(field, f"token ids must be integers in [0, {vocab}), got {bad[:5]!r}")
+    return tuple(int(t) for t in ids)
+
+
+def check_request(req, *, vocab: int, max_len: int, max_stop_tokens: int):
+    """-> a normalised copy of `req`, or RequestError naming the first wrong field."""
+    if not isinstance(req, Request):
+        raise RequestError("request", f"expected a dspark_jax.serve.engine.Request, got {type(req).__name__}")
+    prompt = _token_ids("prompt", req.prompt, vocab, allow_empty=False)
+    if len(prompt) + 1 >= max_len:
+        raise RequestError("prompt", f"{len(prompt)} tokens does not fit the cache "
+                                     f"(max_len={max_len} leaves room for {max_len - 2})")
+    if not _is_int(req.max_tokens) or req.max_tokens < 1:
+        raise RequestError("max_tokens", f"expected an integer >= 1, got {req.max_tokens!r}")
+    if not _is_real(req.temperature) or not math.isfinite(req.temperature) or req.temperature < 0:
+        raise RequestError("temperature", f"expected a finite number >= 0, got {req.temperature!r}")
+    if not _is_int(req.top_k) or req.top_k < 0:
+        raise RequestError("top_k", f"expected an integer >= 0 (0 = off), got {req.top_k!r}")
+    if not _is_real(req.top_p) or not math.isfinite(req.top_p) or not 0 < req.top_p <= 1:
+        raise RequestError("top_p", f"expected a number in (0, 1] (1 = off), got {req.top_p!r}")
+    if not _is_int(req.seed) or not 0 <= req.seed < _SEED_LIMIT:
+        raise RequestError("seed", f"expected an integer in [0, 2^32), got {req.seed!r}")
+    stops = _token_ids("stop_tokens", req.stop_tokens, vocab, allow_empty=True)
+    if len(stops) > max_stop_tokens:
+        raise RequestError("stop_tokens", f"at most {max_stop_tokens} (EngineConfig.max_stop_tokens), "
+                                          f"got {len(stops)}")
+    # top_k >= vocab keeps every token: the same as off, and it must fit the int32 device row.
+    top_k = 0 if req.top_k >= vocab else int(req.top_k)
+    # No request emits more than the cache holds; clipping keeps the budget inside int32.
+    max_tokens = min(int(req.max_tokens), max_len)
+    return dataclasses.replace(req, prompt=prompt, max_tokens=max_tokens,
+                               temperature=float(req.temperature), top_k=top_k, top_p=float(req.top_p),
+                               seed=int(req.seed), stop_tokens=stops)
