@@ -17,6 +17,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
+import threading
+import time
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -227,3 +230,33 @@ class _Completion:
             if not done:  # the client went away (or the server is stopping): free the slot now
                 self.loop.cancel(self.ticket)
                 self.metrics.request_done("disconnected", generated=self.generated)
+
+
+class ThreadedServer:
+    """uvicorn serving `app` on a free 127.0.0.1 port in a daemon thread (tests, `bench serve --http`);
+    the constructor returns once GET /health answers 200 (the engine loop is warm)."""
+
+    def __init__(self, app, *, ready_timeout_s: float = 300.0):
+        import httpx
+        import uvicorn
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + ready_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"the server at {self.url} was not ready within {ready_timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)

@@ -18,7 +18,7 @@ from dspark_jax import spec_round as sr
 from dspark_jax.bundle import make_backbone
 from dspark_jax.config import DSparkConfig
 from dspark_jax.serve.engine import Engine, EngineConfig, Request
-from dspark_jax.serve.http import create_app
+from dspark_jax.serve.http import ThreadedServer, create_app
 from dspark_jax.serve.loop import EngineLoop
 from dspark_jax.serve.metrics import ServerMetrics
 
@@ -54,30 +54,6 @@ def tiny_model():
     return sr.SpecModel(backbone, cfg, impl="xla"), weights
 
 
-class Server:
-    def __init__(self, app):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.url + "/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server did not become ready")
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_model()
@@ -91,7 +67,7 @@ def server(model):
     metrics.attach(loop)
     app = create_app(loop, tokenizer=tiny_tokenizer(), model_name="tiny", default_max_tokens=8, metrics=metrics)
     loop.start()
-    srv = Server(app)
+    srv = ThreadedServer(app)
     srv.loop = loop
     yield srv
     srv.stop()

@@ -112,11 +112,22 @@ def prompt_windows(docs: Sequence[np.ndarray], cfg: RegenConfig) -> list[list[in
     return prompts
 
 
+def cache_len_for(prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int) -> int:
+    """A cache that holds the longest prompt, its whole continuation and one last round's drafts (+2:
+    the engine stops a row 2 positions before the cache end)."""
+    return max((len(p) for p in prompts), default=1) + max_new_tokens + block_size + 2
+
+
+def training_record(prompt: Sequence[int], response: Sequence[int]) -> dict:
+    """One `dspark train` JSONL record: the loss is on the response only."""
+    return {"tokens": [int(t) for t in prompt] + [int(t) for t in response],
+            "loss_mask": [0] * len(prompt) + [1] * len(response)}
+
+
 def training_line(index: int, prompt: Sequence[int], response: Sequence[int], temperature: float, seed: int,
                   finish_reason: str) -> str:
     rec = {"index": index, "temperature": temperature, "seed": seed, "finish_reason": finish_reason,
-           "tokens": [int(t) for t in prompt] + [int(t) for t in response],
-           "loss_mask": [0] * len(prompt) + [1] * len(response)}
+           **training_record(prompt, response)}
     return json.dumps(rec) + "\n"
 
 
@@ -177,9 +188,8 @@ def regenerate(model, weights, prompts: Sequence[Sequence[int]], out, cfg: Regen
     done = read_done(out, cfg.num_prompts)
     todo = [i for i in range(cfg.num_prompts) if i not in done]
     k = model.block_size
-    longest = max(len(p) for p in prompts)
     engine = Engine(model, weights, EngineConfig(
-        max_slots=cfg.slots, max_len=longest + cfg.max_new_tokens + k + 2, mode=cfg.mode,
+        max_slots=cfg.slots, max_len=cache_len_for(prompts, cfg.max_new_tokens, k), mode=cfg.mode,
         num_verify=k if cfg.mode == "fixed" else None, progress=False), cost_table=cost_table)
     owner = {}
     for i in todo:

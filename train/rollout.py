@@ -26,6 +26,7 @@ import numpy as np
 from dspark_jax import sampling
 from dspark_jax import spec_round as sr
 from dspark_jax.serve.engine import Engine, EngineConfig, Metrics, Request
+from dspark_jax.train.regenerate import cache_len_for, training_record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +69,8 @@ def rollout(model: sr.SpecModel, weights: sr.Weights, prompts: Sequence[Sequence
         if len(p) == 0 or any(not 0 <= int(t) < vocab for t in p):
             raise ValueError(f"prompt {i}: expected a non-empty list of token ids in [0, {vocab})")
     sampling.validate([cfg.temperature], [cfg.top_k], [cfg.top_p])
-    longest = max((len(p) for p in prompts), default=1)
     engine = Engine(model, weights, EngineConfig(
-        max_slots=cfg.batch_size, max_len=longest + cfg.max_new_tokens + k + 2, mode="fixed", num_verify=num_verify,
+        max_slots=cfg.batch_size, max_len=cache_len_for(prompts, cfg.max_new_tokens, k), mode="fixed", num_verify=num_verify,
         max_stop_tokens=max(1, len(cfg.stop_tokens)), progress=False, record_rounds=True))
     requests = [Request([int(t) for t in p], max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                         top_k=cfg.top_k, top_p=cfg.top_p, seed=(cfg.seed * 1_000_003 + i) % 2 ** 32,
@@ -95,5 +95,4 @@ def write_training_jsonl(path: str | os.PathLike, prompts: Sequence[Sequence[int
     """Regenerated data: `{"tokens": prompt + response, "loss_mask": [0]*len(prompt) + [1]*len(response)}`."""
     with open(path, "w") as f:
         for p, r in zip(prompts, responses):
-            f.write(json.dumps({"tokens": [int(t) for t in p] + [int(t) for t in r],
-                                "loss_mask": [0] * len(p) + [1] * len(r)}) + "\n")
+            f.write(json.dumps(training_record(p, r)) + "\n")

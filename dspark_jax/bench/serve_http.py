@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import threading
 import time
 
@@ -94,33 +93,6 @@ def closed_loop_http(url: str, requests, concurrency: int, timeout: float) -> tu
     return [r or Outcome(False, error="never sent") for r in results], time.perf_counter() - t0
 
 
-def _free_socket() -> socket.socket:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
-def serve_in_thread(app):
-    """uvicorn on a free loopback port in a thread -> (base url, server, thread)."""
-    import httpx
-    import uvicorn
-
-    sock = _free_socket()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return url, server, thread
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("the benchmark server did not become ready in 15 minutes")
-
-
 def summarize(outcomes: list[Outcome], wall: float) -> dict:
     ok = [o for o in outcomes if o.ok]
     gaps = np.concatenate([np.asarray(o.gaps) for o in ok if o.gaps]) if any(o.gaps for o in ok) else np.zeros(1)
@@ -133,7 +105,7 @@ def summarize(outcomes: list[Outcome], wall: float) -> dict:
 
 def run_http(args, bundle, concurrencies, workload) -> list[dict]:
     from dspark_jax.serve.engine import Engine, EngineConfig
-    from dspark_jax.serve.http import create_app
+    from dspark_jax.serve.http import ThreadedServer, create_app
     from dspark_jax.serve.loop import EngineLoop
     from dspark_jax.serve.metrics import ServerMetrics
     from dspark_jax.serve.profile import cached_cost_table
@@ -151,13 +123,13 @@ def run_http(args, bundle, concurrencies, workload) -> list[dict]:
                               max_queue=len(reqs), on_round=metrics.observe_round)
             metrics.attach(loop)
             loop.start()
-            url, server, thread = serve_in_thread(create_app(loop, tokenizer=bundle.tokenizer, metrics=metrics))
+            server = ThreadedServer(create_app(loop, tokenizer=bundle.tokenizer, metrics=metrics), ready_timeout_s=900)
+            url = server.url
             try:
                 closed_loop_http(url + "/v1/completions", reqs, c, args.http_timeout)  # warm-up (compiles)
                 outcomes, wall = closed_loop_http(url + "/v1/completions", reqs, c, args.http_timeout)
             finally:
-                server.should_exit = True
-                thread.join(30)
+                server.stop()
                 loop.shutdown(5)
             row[mode] = s = summarize(outcomes, wall)
             print(f"  {mode:6s} {s['tok_s']:8.1f} tok/s  TTFT p50/p99 {s['ttft_p50'] * 1e3:7.1f}/{s['ttft_p99'] * 1e3:7.1f} ms"
