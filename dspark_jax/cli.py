@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from dspark_jax.errors import debug_requested, is_user_error, one_line
+
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("dspark_jax.serve.generate_cli", "speculative generation: prompts JSONL in, outputs JSONL out"),
@@ -28,9 +30,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description=__doc__.splitlines()[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true",
+                        help="show the traceback of a user error too (also DSPARK_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(name, help=help_text, parents=[common])
         p.set_defaults(_module=module_name)
         if name in _requested(sys.argv):
             _load(module_name).add_arguments(p)
@@ -58,7 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_module", None):
         parser.print_help()
         return 2
-    return int(_load(args._module).run(args) or 0)
+    try:
+        return int(_load(args._module).run(args) or 0)
+    except Exception as err:  # noqa: BLE001 (the one place a user error becomes one line and exit 2)
+        if args.debug or debug_requested() or not is_user_error(err):
+            raise
+        print(f"dspark {args.command}: {one_line(err)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -177,6 +177,7 @@ class DSparkConfig:
             raw = {**{k: v for k, v in raw.items() if k != "text_config"}, **raw["text_config"]}
         values, sources = _read_fields(raw, spelling)
         _check_unknown(raw, spelling)
+        _check_sizes_given(values, spelling)
         try:
             return cls(**values)
         except ConfigError as err:  # a foreign file's user looks for the key, not our field name
@@ -331,6 +332,19 @@ def _field_keys(name: str, spelling: str) -> tuple[str, ...]:
     return (key,) if key else ()  # family, temperature, vision: not read from a foreign file
 
 
+# The fields that size the model. A file must give them: their dataclass defaults are V4.1-Flash's, and
+# a tiny config that forgot one would otherwise build a 5120-wide layer and fail later as a shape error.
+SIZE_FIELDS = ("dim", "vocab_size", "n_layers", "n_heads", "head_dim", "moe_inter_dim", "n_routed_experts")
+
+
+def _check_sizes_given(values: dict[str, Any], spelling: str) -> None:
+    missing = [f for f in SIZE_FIELDS if f not in values]
+    if missing:
+        keys = [_field_keys(f, spelling)[0] for f in missing]
+        raise ConfigError(f"config is missing the size field(s) {', '.join(repr(k) for k in keys)} "
+                          f"({spelling} spelling; no V4.1-Flash default is assumed for a model's size)")
+
+
 def _read_fields(raw: dict[str, Any], spelling: str) -> tuple[dict[str, Any], dict[str, str]]:
     """The dataclass arguments, and the key each came from (for error messages)."""
     values: dict[str, Any] = {}
@@ -385,7 +399,7 @@ def _check_unknown(raw: dict[str, Any], spelling: str) -> None:
         valid = sorted(_OUR_FIELDS | _SHARED_NAMES)
         unknown = sorted(set(raw) - set(valid))
         if unknown:
-            raise ConfigError("unknown config key(s) " + ", ".join(f"'{k}'{_hint(k, valid)}" for k in unknown)
+            raise ConfigError("unknown config key(s) " + ", ".join(f"'{k}'{did_you_mean(k, valid)}" for k in unknown)
                               + " (our spelling: the DSparkConfig field names)")
         return
     known = _FOREIGN_KEYS[spelling] | _SHARED_NAMES | set(_SWITCHES)
@@ -398,14 +412,14 @@ def _check_unknown(raw: dict[str, Any], spelling: str) -> None:
         # the other spelling's key of a field: name this spelling's key of the same field, not a look-alike
         other = {key: _DRAFT_KEYS[spelling][f] for keys in _DRAFT_KEYS.values() for f, key in keys.items()}
         raise ConfigError(f"unknown draft config key(s) in the {spelling} spelling: " + ", ".join(
-            f"'{k}' (did you mean '{other[k]}'?)" if k in other else f"'{k}'{_hint(k, own_draft)}" for k in bad))
+            f"'{k}' (did you mean '{other[k]}'?)" if k in other else f"'{k}'{did_you_mean(k, own_draft)}" for k in bad))
     if unknown:
         warnings.warn(f"{spelling} config: ignoring unknown key(s) {unknown} (not read by the draft; known "
                       f"backbone keys are listed in dspark_jax.config)", stacklevel=3)
 
 
-def _hint(key: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(key, valid, 1)
+def did_you_mean(key: str, valid) -> str:
+    close = difflib.get_close_matches(key, sorted(valid), 1)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dspark_jax.errors import UserError
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
@@ -30,5 +32,5 @@ def load_model(args):
         return random_bundle(CONFIGS / "tiny_mhc_backbone.json", CONFIGS / "tiny_v41.json")
     path = args.bundle or default_bundle_path()
     if path is None:
-        raise SystemExit("no model: pass --bundle DIR (or --random-tiny for a plumbing check)")
+        raise UserError("no model: pass --bundle DIR (or --random-tiny for a plumbing check)")
     return load_bundle(path, impl=args.impl)

@@ -43,9 +43,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -337,6 +338,72 @@ class Engine:
         self.metrics.host_s += time.perf_counter() - t0 - waited
         return events
 
+    def warm_up(self, *, progress: bool = False) -> int:
+        """Run every program this engine can dispatch once, on an empty state, so that no request ever
+        waits for a compile (a server is ready only after this). -> how many programs ran. Only
+        call it while idle; the state is freshly allocated afterwards."""
+        if not self.idle:
+            raise RuntimeError("warm_up: the engine is serving requests")
+        self._state = self._allocate()
+        programs = self._programs()
+        for run in tqdm(programs, desc="compile", unit="program", disable=not progress):
+            run()
+        jax.block_until_ready(self._state)
+        self._state = self._allocate()  # rounds on empty rows still wrote their caches
+        return len(programs)
+
+    def _programs(self) -> list:
+        """One closure per compiled variant the dispatcher can pick (static arguments: admit's J x P
+        buckets, plain and speculative rounds per call, verify widths, filtering, catch-up widths)."""
+        cfg = self.config
+        calls = sorted({1, cfg.rounds_per_call})
+        out = [functools.partial(self._warm_admit, j, length) for j, length in self._admit_buckets()]
+
+        def plain(rounds, ingest):
+            self._state, _ = ds.PLAIN_ROUNDS(self.model, self.weights, self._state, rounds=rounds,
+                                             max_len=cfg.max_len, ingest_draft=ingest)
+
+        def spec(rounds, width, mode, filtering):
+            self._state, _ = ds.SPEC_ROUNDS(self.model, self.weights, self._state, self.cost_table, rounds=rounds,
+                                            max_len=cfg.max_len, width=width, mode=mode,
+                                            num_verify=self._num_verify(mode), min_gain=cfg.min_gain,
+                                            filtering=filtering)
+
+        def catch_up(width):
+            self._state = ds.CATCH_UP(self.model, self.weights, self._state, width=width)
+
+        if cfg.mode == "plain":
+            return out + [functools.partial(plain, r, False) for r in calls]
+        deferring = bool(cfg.max_deferred_ingest)
+        out += [functools.partial(plain, r, deferring) for r in calls]
+        modes = {"off": [("fixed", calls)], "fixed": [("fixed", calls)], "sync": [("sync", calls)],
+                 "async": [("async", calls), ("fixed", [1])]}[cfg.mode]  # async probes: one fixed round
+        out += [functools.partial(spec, r, w, m, f) for m, rs in modes for r in rs for w in self.width_buckets
+                for f in (False, True)]
+        if deferring:
+            widths = sorted({min(1 << (n - 1).bit_length(), cfg.max_deferred_ingest)
+                             for n in range(1, cfg.max_deferred_ingest + 1)})
+            out += [functools.partial(catch_up, w) for w in widths]
+        return out
+
+    def _admit_buckets(self) -> list[tuple[int, int]]:
+        """(joining rows, a prompt length) for each distinct padded admit shape."""
+        cfg = self.config
+        rows = sorted({1 << (n - 1).bit_length() for n in range(1, cfg.max_slots + 1)})
+        by_shape = {}
+        for length in range(1, cfg.max_len - 1):
+            shape = min(cfg.max_len, max(cfg.min_prompt_bucket, 1 << (length - 1).bit_length()))
+            by_shape.setdefault(shape, length)
+        return [(j, length) for j in rows for length in by_shape.values()]
+
+    def _warm_admit(self, joining: int, length: int) -> None:
+        cfg = self.config
+        # Every row points at slot max_slots, the padding slot: the device drops them, no slot changes.
+        dummy = Request([0] * length, max_tokens=1)
+        rows = ds.joining_rows([cfg.max_slots] * joining, [dummy.prompt] * joining, [dummy] * joining,
+                               cfg.max_slots, cfg.max_len, cfg.max_stop_tokens, cfg.min_prompt_bucket)
+        self._state, _ = ds.ADMIT(self.model, self.weights, self._state, jax.device_put(rows), max_len=cfg.max_len)
+
     def _allocate(self) -> ds.DecodeState:
         cfg = self.config
         deferred = 0 if cfg.mode == "plain" else cfg.max_deferred_ingest
@@ -350,15 +417,23 @@ class Engine:
         while not self.idle:
             yield from self.step()
 
-    def generate(self, requests: Sequence[Request]) -> list[Result]:
-        """Serve `requests` to completion; results in request order (bad requests: finish_reason "error")."""
+    def generate(self, requests: Sequence[Request],
+                 on_result: Callable[[int, Result], None] | None = None) -> list[Result]:
+        """Serve `requests` to completion; results in request order (bad requests: finish_reason "error").
+        `on_result(i, result)` is called as each request finishes (a bad one at once), e.g. to write it."""
         results: list[Result | None] = [None] * len(requests)
         index = {}
+
+        def done(i: int, res: Result) -> None:
+            results[i] = res
+            if on_result is not None:
+                on_result(i, res)
+
         for i, req in enumerate(requests):
             try:
                 index[self.submit(req)] = i
             except RequestError as err:
-                results[i] = Result(getattr(req, "id", None), [], "error", str(err))
+                done(i, Result(getattr(req, "id", None), [], "error", str(err)))
         total = sum(q.max_tokens for _, q in self._queue)
         bar = tqdm(total=total, desc=f"dspark {self.config.mode}", unit="tok", disable=not self.config.progress)
         mine = {rid: Result(requests[i].id, [], "") for rid, i in index.items()}
@@ -372,7 +447,7 @@ class Engine:
             if ev.finish_reason:
                 res.finish_reason, res.error = ev.finish_reason, ev.error
                 res.rounds, res.accepted = ev.result.rounds, ev.result.accepted
-                results[index[ev.id]] = res
+                done(index[ev.id], res)
         bar.close()
         self.metrics.wall_s += time.perf_counter() - t0
         return results

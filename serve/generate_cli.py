@@ -1,10 +1,12 @@
 """`dspark generate`: prompts JSONL in, outputs JSONL out.
 
 Input lines: {"prompt": "text"} (needs the bundle's tokenizer) or {"tokens": [ids]}, optionally with
-"id", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop" (token ids). A malformed line is
-answered with an error line; the other requests are served.
-Output lines: {"id", "tokens", "text" (with a tokenizer), "finish_reason", "error", "rounds",
-"accepted", "tau"}; a metrics summary goes to stderr.
+"id", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop" (token ids). A malformed line (bad
+JSON, not UTF-8, a bad field) is answered with an error line naming the line; the others are served.
+Output lines, written and flushed as each request finishes (so an interruption keeps what was done), in
+finishing order: {"line" (1-based input line), "id", "tokens", "text" (with a tokenizer),
+"finish_reason", "error", "rounds", "accepted", "tau"}. The output path is opened before the model
+loads: a path that cannot be written fails at once. A metrics summary goes to stderr.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import json
 import sys
 
+from dspark_jax.errors import UserError
 from dspark_jax.serve.cli_common import add_model_arguments, load_model
 
 
@@ -35,14 +38,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_requests(lines, tokenizer, defaults) -> tuple[list, dict]:
-    """-> (requests, {index: error}) for lines that could not even be turned into a request."""
+    """Raw input lines (bytes or str) -> (requests, {index: error}) for lines that could not even be turned
+    into a request. Request i carries id (index, its own "id") so results map back to their lines."""
     from dspark_jax.serve.engine import Request
 
     reqs, errors = [], {}
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
+    for i, raw in enumerate(lines):
         try:
+            line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+            if not line.strip():
+                continue
             rec = json.loads(line)
             if not isinstance(rec, dict):
                 raise ValueError("expected a JSON object")
@@ -51,16 +56,42 @@ def parse_requests(lines, tokenizer, defaults) -> tuple[list, dict]:
             elif "prompt" in rec:
                 if tokenizer is None:
                     raise ValueError("'prompt' text needs a tokenizer; this model has none (give 'tokens')")
+                if not isinstance(rec["prompt"], str):
+                    raise ValueError(f"'prompt': expected a string, got {type(rec['prompt']).__name__}")
                 tokens = tokenizer.encode(rec["prompt"]).ids
             else:
                 raise ValueError("expected a 'prompt' (text) or 'tokens' (ids) field")
+            stop = rec.get("stop", ())
+            if not isinstance(stop, list | tuple):
+                raise ValueError(f"'stop': expected a list of token ids, got {type(stop).__name__}")
             reqs.append(Request(tokens, max_tokens=rec.get("max_tokens", defaults["max_tokens"]),
                                 temperature=rec.get("temperature", defaults["temperature"]),
                                 top_k=rec.get("top_k", 0), top_p=rec.get("top_p", 1.0), seed=rec.get("seed", i),
-                                stop_tokens=tuple(rec.get("stop", ())), id=rec.get("id", i)))
+                                stop_tokens=tuple(stop), id=(i, rec.get("id", i))))
+        except UnicodeDecodeError as err:
+            errors[i] = f"line {i + 1}: not UTF-8 text (byte {err.start})"
         except (ValueError, TypeError) as err:
             errors[i] = f"line {i + 1}: {err}"
     return reqs, errors
+
+
+def result_record(index: int, rid, result, tokenizer) -> dict:
+    """One output line (`index` is the 0-based input line)."""
+    rec = {"line": index + 1, "id": rid, "tokens": result.tokens, "finish_reason": result.finish_reason,
+           "error": result.error, "rounds": result.rounds, "accepted": result.accepted,
+           "tau": len(result.tokens) / max(result.rounds, 1)}
+    if result.error and not result.error.startswith("line "):
+        rec["error"] = f"line {index + 1}: {result.error}"
+    if tokenizer is not None and result.tokens:
+        rec["text"] = tokenizer.decode(result.tokens)
+    return rec
+
+
+def open_output(path: str):
+    """The output stream, opened now: a missing folder or a read-only path fails before any work."""
+    if path == "-":
+        return sys.stdout
+    return open(path, "w")
 
 
 def _mesh(args):
@@ -76,35 +107,36 @@ def _mesh(args):
     try:
         return make_mesh(**parse_mesh_spec(args.mesh))
     except ValueError as e:
-        raise SystemExit(f"--mesh: {e}") from None
+        raise UserError(f"--mesh: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark_jax.serve.engine import Engine, EngineConfig
-
     from dspark_jax.schedule import CostTable
+    from dspark_jax.serve.engine import Engine, EngineConfig, Result
 
-    mesh = _mesh(args)
-    bundle = load_model(args)
-    table = CostTable.from_json(args.cost_table) if args.cost_table else bundle.cost_table
-    with open(args.prompts) as f:
-        reqs, errors = parse_requests(f.readlines(), bundle.tokenizer,
+    with open(args.prompts, "rb") as f:
+        lines = f.read().splitlines()
+    out = open_output(args.out)
+    try:
+        mesh = _mesh(args)
+        bundle = load_model(args)
+        table = CostTable.from_json(args.cost_table) if args.cost_table else bundle.cost_table
+        reqs, errors = parse_requests(lines, bundle.tokenizer,
                                       {"max_tokens": args.max_tokens, "temperature": args.temperature})
-    engine = Engine(bundle.model, bundle.weights,
-                    EngineConfig(max_slots=args.slots, max_len=args.max_len, mode=args.mode,
-                                 num_verify=args.num_verify),
-                    cost_table=table, mesh=mesh)
-    results = engine.generate(reqs)
-    out = sys.stdout if args.out == "-" else open(args.out, "w")
-    for idx, err in errors.items():
-        out.write(json.dumps({"id": idx, "tokens": [], "finish_reason": "error", "error": err}) + "\n")
-    for r in results:
-        rec = {"id": r.id, "tokens": r.tokens, "finish_reason": r.finish_reason, "error": r.error,
-               "rounds": r.rounds, "accepted": r.accepted, "tau": len(r.tokens) / max(r.rounds, 1)}
-        if bundle.tokenizer is not None and r.tokens:
-            rec["text"] = bundle.tokenizer.decode(r.tokens)
-        out.write(json.dumps(rec) + "\n")
-    if out is not sys.stdout:
-        out.close()
+
+        def write(index: int, rid, result) -> None:
+            out.write(json.dumps(result_record(index, rid, result, bundle.tokenizer)) + "\n")
+            out.flush()
+
+        for idx, err in errors.items():
+            write(idx, idx, Result(idx, [], "error", err))
+        engine = Engine(bundle.model, bundle.weights,
+                        EngineConfig(max_slots=args.slots, max_len=args.max_len, mode=args.mode,
+                                     num_verify=args.num_verify),
+                        cost_table=table, mesh=mesh)
+        engine.generate(reqs, on_result=lambda i, r: write(*reqs[i].id, r))
+    finally:
+        if out is not sys.stdout:
+            out.close()
     print(json.dumps(engine.metrics.summary()), file=sys.stderr)
     return 0

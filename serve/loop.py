@@ -1,7 +1,7 @@
 """One engine, driven by its own thread, fed by many callers: the core of `dspark serve`.
 
     loop = EngineLoop(make_engine, max_queue=64)
-    loop.start()                                   # warms up (compiles) in the thread; loop.ready after
+    loop.start()                                   # compiles every program in the thread; loop.ready after
     ticket = loop.submit(Request(...), on_event)   # on_event(Event) is called from the loop thread
     loop.cancel(ticket)                            # the slot is freed before the next round
     loop.shutdown(grace_s=30)                      # refuse new work, finish what runs, stop
@@ -27,6 +27,9 @@ import traceback
 from typing import Callable
 
 from dspark_jax.serve.engine import Engine, Event, Request, RequestError, Result
+
+
+WARMUPS = ("full", "quick", "none")
 
 
 class QueueFull(RuntimeError):
@@ -55,8 +58,10 @@ class LoopStats:
 
 
 class EngineLoop:
-    def __init__(self, make_engine: Callable[[], Engine], *, max_queue: int = 64, warmup: bool = True,
+    def __init__(self, make_engine: Callable[[], Engine], *, max_queue: int = 64, warmup: str = "full",
                  on_round: Callable[[float], None] | None = None):
+        if warmup not in WARMUPS:
+            raise ValueError(f"EngineLoop warmup: expected one of {WARMUPS}, got {warmup!r}")
         self._make_engine = make_engine
         self.engine = make_engine()
         self.max_queue = int(max_queue)
@@ -128,7 +133,7 @@ class EngineLoop:
 
     # ---- the loop thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        if self._warmup:
+        if self._warmup != "none":
             self._warm_up()
         self.ready.set()
         while True:
@@ -152,8 +157,12 @@ class EngineLoop:
                 self._deliver(ev)
 
     def _warm_up(self) -> None:
-        """Compile the programs a first request needs (admission, a plain step and a speculative round,
-        greedy and sampled) before the server says it is ready."""
+        """Compile before the server says it is ready. "full": every program the engine can dispatch
+        (no request ever waits for a compile; minutes on a CPU, see `--compile-cache`); "quick": what
+        one greedy and one sampled request run (the rest compile on first use)."""
+        if self._warmup == "full":
+            self.engine.warm_up()
+            return
         vocab = self.engine.vocab
         reqs = [Request([1 % vocab, 2 % vocab], max_tokens=2 * self.engine.k + 2, temperature=t, seed=0)
                 for t in (0.0, 1.0)]

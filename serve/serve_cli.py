@@ -30,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cost table JSON for modes sync/async (default: the bundle's, else measured once "
                              "on this machine and cached)")
     parser.add_argument("--model-name", default=None, help="the model id in responses (default: the bundle name)")
+    parser.add_argument("--warmup", default="full", choices=("full", "quick", "none"),
+                        help="compile before /health says ready: every program (full), a greedy and a sampled "
+                             "request's (quick), nothing (none)")
+    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                        help="JAX's persistent compilation cache: a restart loads the programs instead of "
+                             "compiling them")
     parser.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
 
@@ -42,6 +48,15 @@ def _check(args) -> None:
                              f"got {v}")
     if args.grace < 0:
         raise ValueError(f"--grace: expected >= 0 seconds, got {args.grace}")
+
+
+def enable_compile_cache(directory: str) -> None:
+    """Every compiled program (any compile time) is written to and read from `directory`."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _cost_table(args, bundle):
@@ -68,6 +83,8 @@ def build_app(args):
     from dspark_jax.serve.loop import EngineLoop
     from dspark_jax.serve.metrics import ServerMetrics
 
+    if args.compile_cache:
+        enable_compile_cache(args.compile_cache)
     bundle = load_model(args)
     table = _cost_table(args, bundle)
     config = EngineConfig(max_slots=args.slots, max_len=args.max_len, mode=args.mode, num_verify=args.num_verify,
@@ -77,7 +94,7 @@ def build_app(args):
         return Engine(bundle.model, bundle.weights, config, cost_table=table)
 
     metrics = ServerMetrics()
-    loop = EngineLoop(make_engine, max_queue=args.max_queue, on_round=metrics.observe_round)
+    loop = EngineLoop(make_engine, max_queue=args.max_queue, warmup=args.warmup, on_round=metrics.observe_round)
     metrics.attach(loop)
     name = args.model_name or (bundle.path.name if bundle.path is not None else "dspark-random-tiny")
     app = create_app(loop, tokenizer=bundle.tokenizer, model_name=name, default_max_tokens=args.max_tokens,

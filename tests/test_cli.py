@@ -16,16 +16,18 @@ def test_profile_then_generate_async(tmp_path, capsys):
     # the widths the engine compiles for K = 5: 1, 2, 4 and K + 1
     assert t.batch_tokens.tolist() == [2 * w for w in (1, 2, 4, 6)] and (t.steps_per_sec > 0).all()
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"tokens": [1, 2, 3], "max_tokens": 5, "id": "a"}\n{"prompt": "no tokenizer"}\n'
-                       'not json\n{"tokens": [4, 5], "max_tokens": 4, "temperature": 1.0, "id": "b"}\n')
+    prompts.write_bytes(b'{"tokens": [1, 2, 3], "max_tokens": 5, "id": "a"}\n{"prompt": "no tokenizer"}\n'
+                        b'not json\n{"tokens": [4, 5], "max_tokens": 4, "temperature": 1.0, "id": "b"}\n'
+                        b'{"tokens": [1], "id": "\xff"}\n{"tokens": [1], "top_k": 1e10, "id": "k"}\n')
     out = tmp_path / "out.jsonl"
     assert main(["generate", "--random-tiny", "--impl", "xla", "--prompts", str(prompts), "--out", str(out),
                  "--mode", "async", "--cost-table", str(table), "--slots", "2", "--max-len", "64"]) == 0
     recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert len(recs["a"]["tokens"]) == 5 and len(recs["b"]["tokens"]) == 4
-    errors = [r for r in recs.values() if r["finish_reason"] == "error"]
-    assert len(errors) == 2 and any("tokenizer" in r["error"] for r in errors)
-    assert any("line 3" in r["error"] for r in errors)
+    errors = {r["line"]: r["error"] for r in recs.values() if r["finish_reason"] == "error"}
+    assert sorted(errors) == [2, 3, 5, 6] and "tokenizer" in errors[2] and errors[3].startswith("line 3:")
+    assert errors[5] == "line 5: not UTF-8 text (byte 23)"
+    assert errors[6].startswith("line 6: request 'top_k'")
     summary = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
     assert summary["tokens"] == 9 and summary["emitted"] == 7  # 2 first tokens come from prefill
 
@@ -69,12 +71,13 @@ def test_generate_on_a_mesh_emits_the_one_device_tokens(tmp_path):
         out = tmp_path / f"{name}.jsonl"
         assert main(["generate", "--random-tiny", "--impl", "pallas", "--prompts", str(prompts), "--out", str(out),
                      "--mode", "off", "--slots", "4", "--max-len", "32", *extra]) == 0
-        outs[name] = [json.loads(line)["tokens"] for line in out.read_text().splitlines()]
+        recs = sorted(map(json.loads, out.read_text().splitlines()), key=lambda r: r["line"])  # finishing order
+        outs[name] = [r["tokens"] for r in recs]
     assert outs["mesh"] == outs["one"] and all(len(t) == 6 for t in outs["one"])
 
 
-def test_generate_rejects_a_bad_mesh(tmp_path):
+def test_generate_rejects_a_bad_mesh(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"tokens": [1, 2]}\n')
-    with pytest.raises(SystemExit, match="--mesh: mesh: expected comma-separated AXIS=N"):
-        main(["generate", "--random-tiny", "--prompts", str(prompts), "--mesh", "data=2,experts=4"])
+    assert main(["generate", "--random-tiny", "--prompts", str(prompts), "--mesh", "data=2,experts=4"]) == 2
+    assert "--mesh: mesh: expected comma-separated AXIS=N" in capsys.readouterr().err

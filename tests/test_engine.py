@@ -212,3 +212,23 @@ def test_engine_on_eight_devices_emits_the_one_device_tokens():
     assert [r.tokens for r in eight] == [r.tokens for r in one]
     assert [r.tokens for r in one] == [_want()[i, :16].tolist() for i in range(4)]
     assert eng.metrics.emitted == one_device.metrics.emitted and eng.metrics.rounds == one_device.metrics.rounds
+
+
+def _compiled():
+    return {name: getattr(ds, name)._cache_size() for name in ("ADMIT", "SPEC_ROUNDS", "PLAIN_ROUNDS", "CATCH_UP")}
+
+
+@pytest.mark.slow  # ~40 programs to compile: minutes on 2 cores
+def test_warm_up_compiles_every_program_a_workload_can_dispatch():
+    """After warm_up(), a varied workload (greedy and filtered sampling, joins of 1..3 rows, short and
+    long prompts, budgets that end inside a multi-round call) compiles nothing new."""
+    eng = _engine(mode="off", slots=3)  # the programs of the tests above: only the missing ones compile
+    n = eng.warm_up()
+    before = _compiled()
+    assert n == len(eng._programs()) and eng.idle
+    rng = np.random.default_rng(0)
+    reqs = [Request(list(rng.integers(1, 50, int(rng.integers(1, 150)))), max_tokens=int(rng.integers(1, 12)),
+                    temperature=float(i % 2), top_k=5 * (i % 3 == 1), seed=i, id=i) for i in range(10)]
+    res = eng.generate(reqs[:1]) + eng.generate(reqs[1:3]) + eng.generate(reqs[3:])
+    assert [r.finish_reason for r in res] == ["length"] * 10
+    assert _compiled() == before

@@ -63,7 +63,7 @@ def model():
 def server(model):
     m, w = model
     metrics = ServerMetrics()
-    loop = EngineLoop(lambda: Engine(m, w, CONFIG), max_queue=QUEUE, on_round=metrics.observe_round)
+    loop = EngineLoop(lambda: Engine(m, w, CONFIG), max_queue=QUEUE, warmup="quick", on_round=metrics.observe_round)
     metrics.attach(loop)
     app = create_app(loop, tokenizer=tiny_tokenizer(), model_name="tiny", default_max_tokens=8, metrics=metrics)
     loop.start()
@@ -286,7 +286,7 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0():
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "dspark_jax", "serve", "--random-tiny", "--port", str(port),
-                             "--mode", "off", "--slots", "2", "--max-len", "160", "--grace", "60"],
+                             "--mode", "off", "--slots", "2", "--max-len", "160", "--grace", "60", "--warmup", "quick"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 900

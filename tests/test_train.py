@@ -22,6 +22,7 @@ from spec_helpers import backbone_greedy_drafts
 from dspark_jax import draft
 from dspark_jax.backbones.mhc import MhcBackbone, MhcConfig
 from dspark_jax.config import DSparkConfig
+from dspark_jax.errors import UserError
 from dspark_jax.nn.norm import rms_norm
 from dspark_jax.parallel import make_mesh
 from dspark_jax.train import anchors as A
@@ -661,20 +662,57 @@ def test_resume_from_checkpoint_is_bit_identical(model_files, tmp_path):
     tr.fit(until=4, progress=False)
     want = _snapshot(tr)
     assert sorted(tr.manager.all_steps()) == [2, 4]
+    log = tmp_path / "run" / "metrics.jsonl"
+    first = [json.loads(x) for x in log.read_text().splitlines()]
     tr2 = make_trainer(model_files, tmp_path / "run", mesh)
     assert tr2.restore(step=2) == 2
     assert int(tr2.state.step) == 2
+    assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == [1, 2]  # rewound with the state
     tr2.fit(until=4, progress=False)
     got = _snapshot(tr2)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(a, b)
-    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == [1, 2, 3, 4, 3, 4]
+    recs = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]  # no step logged twice
     for r in recs[-2:]:
         assert r.keys() >= {"loss", "ce", "l1", "conf", "accept_rate@1", "accept_rate@5", "tau_estimate",
                             "conf_bias", "lr", "grad_norm", "tokens_per_s"}
     strip = lambda r: {k: v for k, v in r.items() if k != "tokens_per_s"}  # noqa: E731
-    assert [strip(r) for r in recs[2:4]] == [strip(r) for r in recs[4:6]]
+    assert [strip(r) for r in first] == [strip(r) for r in recs]
+
+
+def _corrupt(step_dir):
+    """Truncate every data file of a checkpoint to half its size (a torn write)."""
+    files = [f for f in step_dir.rglob("*") if f.is_file() and f.stat().st_size > 0]
+    for f in files:
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return len(files)
+
+
+def test_resume_skips_a_corrupt_latest_checkpoint_and_keeps_it(model_files, tmp_path):
+    mesh = one_device()
+    run = tmp_path / "run"
+    tr = make_trainer(model_files, run, mesh)
+    tr.fit(until=4, progress=False)
+    want = _snapshot(tr)
+    assert _corrupt(run / "checkpoints" / "4") > 0
+    tr2 = make_trainer(model_files, run, mesh)
+    with pytest.warns(UserWarning, match=r"checkpoints/4 is unreadable .* it is kept, trying the previous one"):
+        assert tr2.restore() == 2
+    assert (run / "checkpoints" / "4").is_dir()  # kept, not deleted
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    with pytest.warns(UserWarning, match="unreadable checkpoint of step 4 moved to"):
+        tr2.fit(until=4, progress=False)
+    for a, b in zip(jax.tree.leaves(_snapshot(tr2)), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
+    assert len(list((run / "unreadable_checkpoints").iterdir())) == 1
+    assert make_trainer(model_files, run, mesh).restore() == 4  # the re-saved step 4 is intact
+    # every checkpoint unreadable: a clear error naming the folder, nothing moved
+    for step in (2, 4):
+        _corrupt(run / "checkpoints" / str(step))
+    with pytest.warns(UserWarning), pytest.raises(UserError, match=r"no intact checkpoint in .*checkpoints"):
+        make_trainer(model_files, run, mesh).restore()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -36,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dspark_jax import draft as draft_lib
 from dspark_jax.config import DSparkConfig
+from dspark_jax.errors import UserError
 from dspark_jax.parallel import fit_shardings, logical_shardings, make_mesh
 from dspark_jax.train.anchors import make_blocks
 from dspark_jax.train.config import DistributedConfig, LossConfig, MeshConfig, OptimConfig, RunConfig
@@ -296,6 +298,7 @@ class Trainer:
         self.state = self._init_state(params)
         self.run_dir = Path(cfg.run_dir)
         self._manager = None
+        self._unreadable: set[int] = set()  # checkpoint steps restore() could not read
         self._batches: Batches | None = None
 
     # ---- parameters ------------------------------------------------------------------------------
@@ -389,25 +392,68 @@ class Trainer:
         import orbax.checkpoint as ocp  # noqa: PLC0415
 
         step = int(jax.device_get(self.state.step))
-        if step in self.manager.all_steps():  # after rewinding to an older checkpoint: replace, don't fail
-            self.manager.delete(step)
+        if step in self.manager.all_steps():  # after rewinding to an older checkpoint: replace it
+            if step in self._unreadable:
+                self._set_aside(step)  # a corrupt one is kept for inspection, never deleted
+            else:
+                self.manager.delete(step)
         self.manager.save(step, args=ocp.args.StandardSave(self.state._asdict()), force=True)
         self.manager.wait_until_finished()
         return step
 
     def restore(self, step: int | None = None) -> int | None:
-        """Load the latest (or the given) checkpoint of run_dir into the state; -> its step, or None."""
+        """Load the latest INTACT (or the given) checkpoint of run_dir into the state; -> its step, or
+        None when there is none. An unreadable checkpoint is skipped with a warning and kept on disk
+        (set aside to run_dir/unreadable_checkpoints/ if training reaches its step again); metrics.jsonl
+        loses the records after the restored step, so no step is logged twice."""
         import orbax.checkpoint as ocp  # noqa: PLC0415
 
-        step = self.manager.latest_step() if step is None else step
-        if step is None:
-            return None
+        where = self.run_dir / "checkpoints"
+        steps = sorted(self.manager.all_steps(), reverse=True) if step is None else [step]
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                 self.state._asdict())
-        restored = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
-        self.state = TrainState(**restored)
-        self._seek_data(int(jax.device_get(self.state.step)))
-        return step
+        problems = []
+        for s in steps:
+            try:
+                restored = self.manager.restore(s, args=ocp.args.StandardRestore(abstract))
+            except Exception as err:  # noqa: BLE001 (Orbax / TensorStore raise many kinds for a bad file)
+                problem = f"step {s}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                if step is not None:
+                    raise UserError(f"checkpoint {where}/{s} cannot be restored ({problem})") from err
+                warnings.warn(f"checkpoint {where}/{s} is unreadable ({problem}); it is kept, trying the "
+                              "previous one", stacklevel=2)
+                self._unreadable.add(s)
+                problems.append(problem)
+                continue
+            self.state = TrainState(**restored)
+            self._seek_data(int(jax.device_get(self.state.step)))
+            self._rewind_metrics(s)
+            return s
+        if problems:
+            raise UserError(f"no intact checkpoint in {where} ({'; '.join(problems)}); fix or move them, or "
+                            "start fresh with --no-resume in another run_dir")
+        return None
+
+    def _set_aside(self, step: int) -> None:
+        """Move an unreadable checkpoint out of Orbax's directory (kept), so its step can be saved again."""
+        aside = self.run_dir / "unreadable_checkpoints"
+        if jax.process_index() == 0:
+            aside.mkdir(parents=True, exist_ok=True)
+            target = aside / f"{step}-{int(time.time())}"
+            (self.run_dir / "checkpoints" / str(step)).rename(target)
+            warnings.warn(f"unreadable checkpoint of step {step} moved to {target}", stacklevel=3)
+        self._unreadable.discard(step)
+        self._manager = None  # it caches the steps on disk
+
+    def _rewind_metrics(self, step: int) -> None:
+        """Drop metrics.jsonl records after `step`: the resumed run logs those steps again."""
+        log = self.run_dir / "metrics.jsonl"
+        if jax.process_index() != 0 or not log.is_file():
+            return
+        lines = log.read_text().splitlines(keepends=True)
+        kept = [x for x in lines if _logged_step(x) <= step]
+        if len(kept) != len(lines):
+            log.write_text("".join(kept))
 
     # ---- the loop --------------------------------------------------------------------------------
     def fit(self, until: int | None = None, *, progress: bool = True) -> dict[str, Any]:
@@ -448,6 +494,14 @@ class Trainer:
                 bar.update(1)
         bar.close()
         return last
+
+
+def _logged_step(line: str) -> float:
+    """The step of a metrics.jsonl line; a torn last line (an interrupted write) counts as after all."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 def metrics_record(m: dict, step: int) -> dict[str, Any]:

@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from dspark_jax.backbones.base import (Backbone, BackboneOutput, as_dtype, at_positions, cache_attention,
                                        cache_visibility,
                                        query_positions, record_taps, taps_to_features, write_rows)
-from dspark_jax.config import SCORE_FUNCS, ConfigError, check_field, is_int, is_number, read_json_config
+from dspark_jax.config import (SCORE_FUNCS, ConfigError, check_field, did_you_mean, is_int, is_number,
+                               read_json_config)
 from dspark_jax.nn.attention import WindowAttention, grouped_out_proj
 from dspark_jax.nn.head import f32_head_logits
 from dspark_jax.nn.mhc import HyperConnection, hc_post, hc_pre, one_hot_pre
@@ -42,6 +43,7 @@ from dspark_jax.nn.norm import RMSNorm, rms_norm
 from dspark_jax.nn.params import fan_in_normal, param
 
 DTYPES = ("float32", "bfloat16")
+MHC_SIZE_FIELDS = ("dim", "vocab_size", "n_layers", "n_heads", "head_dim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +127,15 @@ class MhcConfig:
         for key, v in raw.items():
             name = _ALIASES.get(key, key)
             if name not in fields:
-                raise ConfigError(f"config field '{key}' is not an MhcConfig field (known: {sorted(fields)})")
+                raise ConfigError(f"config field '{key}' is not an MhcConfig field{did_you_mean(key, fields)} "
+                                  f"(known: {sorted(fields)})")
             if name in values and values[name] != v:
                 raise ConfigError(f"config fields '{name}' and its alias '{key}' disagree: {values[name]!r} vs {v!r}")
             values[name] = v
+        missing = [f for f in MHC_SIZE_FIELDS if f not in values]
+        if missing:
+            raise ConfigError(f"config is missing the size field(s) {', '.join(repr(f) for f in missing)} "
+                              "(an MhcConfig file must size the model; no default is assumed)")
         try:
             return cls(**values)
         except TypeError as err:

@@ -21,6 +21,8 @@ import math
 import time
 from pathlib import Path
 
+from dspark_jax.errors import UserError
+
 GiB = 1 << 30
 
 
@@ -116,7 +118,7 @@ def _ensure_host_devices(n: int) -> None:
     except RuntimeError:  # backends already up: whatever the host has
         pass
     if jax.device_count() < n:
-        raise SystemExit(f"--temporaries needs {n} host devices, this process has {jax.device_count()}")
+        raise UserError(f"--temporaries needs {n} host devices, this process has {jax.device_count()}")
 
 
 def print_table(rows: list[dict], axes: dict[str, int], args) -> None:
@@ -144,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         axes = parse_mesh_spec(args.mesh)
     except ValueError as e:
-        raise SystemExit(f"--mesh: {e}") from None
+        raise UserError(f"--mesh: {e}") from None
     if args.temporaries:
         _ensure_host_devices(math.prod(axes.values()))
     rows = [measure(p, axes, args) for p in ("bf16", "checkpoint")]

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.errors import UserError
 from dspark_jax.schedule import CostTable, schedule_async, schedule_sync
 
 SLOTS = 256
@@ -157,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     k = args.block_size
     levels = [int(x) for x in args.concurrency.split(",")]
     if k < 1 or args.rounds < 1 or any(not 1 <= r <= SLOTS for r in levels):
-        raise SystemExit(f"dspark bench schedule: need K >= 1, rounds >= 1, concurrency in [1, {SLOTS}]")
+        raise UserError(f"dspark bench schedule: need K >= 1, rounds >= 1, concurrency in [1, {SLOTS}]")
     start = time.perf_counter()
     levels, theta, mean_len, table = simulate(args)
     elapsed = time.perf_counter() - start

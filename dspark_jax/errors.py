@@ -1,0 +1,50 @@
+"""What counts as the user's mistake, and how the CLI says it.
+
+A user error (a bad argument, file, field, line or request) is printed as ONE line naming the thing
+that is wrong, and the command exits 2; `--debug` (or DSPARK_DEBUG=1) shows the traceback as well.
+Anything else is our bug and keeps its traceback.
+
+User errors are:
+  * `UserError` (raise it, or a subclass, at an input boundary);
+  * a ValueError raised by dspark_jax's own code (our validation raises ValueError with a message that
+    names the field; a ValueError from inside JAX or NumPy is an internal error);
+  * an OSError about a named file (missing, a directory, no permission, disk full), or one our code
+    raised (it names the file in its message).
+"""
+
+from __future__ import annotations
+
+import os
+
+class UserError(ValueError):
+    """Bad input from the user; the message names the file / field / line and what was expected."""
+
+
+def _raised_in_our_code(err: BaseException) -> bool:
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return str(tb.tb_frame.f_globals.get("__name__", "")).startswith("dspark_jax")
+
+
+def is_user_error(err: BaseException) -> bool:
+    if isinstance(err, UserError):
+        return True
+    if isinstance(err, OSError):
+        return getattr(err, "filename", None) is not None or _raised_in_our_code(err)
+    if isinstance(err, ValueError):
+        return type(err).__module__.startswith("dspark_jax") or _raised_in_our_code(err)
+    return False
+
+
+def one_line(err: BaseException) -> str:
+    """The error as the single line the CLI prints."""
+    if isinstance(err, OSError) and getattr(err, "filename", None) is not None and not isinstance(err, UserError):
+        return f"{err.filename}: {err.strerror or err}"
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def debug_requested() -> bool:
+    return os.environ.get("DSPARK_DEBUG", "") not in ("", "0")
