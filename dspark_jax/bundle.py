@@ -28,6 +28,7 @@ from dspark_jax import spec_round as sr
 from dspark_jax.calibration import Calibration
 from dspark_jax.checkpoint.safetensors_io import CheckpointError, open_checkpoint, save_file
 from dspark_jax.config import DSparkConfig
+from dspark_jax.errors import UserError, read_json_file
 from dspark_jax.schedule import CostTable
 
 
@@ -118,32 +119,65 @@ def save_bundle(path, *, backbone_family: str, backbone, backbone_params, draft_
 
 
 def load_bundle(path, *, impl: str = "auto") -> Bundle:
+    """A serving bundle; every problem (a missing or malformed file, a config field, a tensor's name,
+    shape, dtype or values, a calibration for another block size, a bad tokenizer) is a UserError
+    naming the file."""
     path = Path(path)
     meta_path = path / "bundle.json"
     if not meta_path.is_file():
-        raise FileNotFoundError(f"{path}: not a dspark bundle (no bundle.json)")
-    meta = json.loads(meta_path.read_text())
+        raise UserError(f"{path}: not a dspark bundle (no bundle.json)")
+    meta = read_json_file(meta_path, "bundle metadata")
+    if not isinstance(meta, dict):
+        raise UserError(f"{meta_path}: expected a JSON object")
     for key in ("backbone", "draft"):
-        if key not in meta:
-            raise ValueError(f"{meta_path}: missing key '{key}'")
-    family = meta["backbone"].get("family")
-    backbone = make_backbone(family, meta["backbone"].get("config", {}))
-    cfg = DSparkConfig.from_dict(meta["draft"])
+        if not isinstance(meta.get(key), dict):
+            raise UserError(f"{meta_path}: missing key '{key}'" if key not in meta
+                            else f"{meta_path}: '{key}' must be an object")
+    try:
+        backbone = make_backbone(meta["backbone"].get("family"), meta["backbone"].get("config", {}))
+    except ValueError as err:
+        raise UserError(f"{meta_path} 'backbone': {err}") from None
+    try:
+        cfg = DSparkConfig.from_dict(meta["draft"])
+    except ValueError as err:
+        raise UserError(f"{meta_path} 'draft': {err}") from None
     bparams = unflatten_strict(open_checkpoint(path / "backbone.safetensors"), backbone.abstract_params(),
                                f"{path / 'backbone.safetensors'}")
     dparams = unflatten_strict(open_checkpoint(path / "draft.safetensors"), draft_lib.abstract_params(cfg),
                                f"{path / 'draft.safetensors'}")
-    calibration = Calibration.load(path / "calibration.json") if (path / "calibration.json").is_file() else None
+    calibration = _calibration(path / "calibration.json", cfg.block_size)
     table = CostTable.from_json(path / "cost_table.json") if (path / "cost_table.json").is_file() else None
-    tokenizer = None
-    if (path / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tokenizer = _tokenizer(path / "tokenizer.json", backbone.vocab_size)
     temps = jnp.asarray(calibration.temperatures if calibration else np.ones(cfg.block_size), jnp.float32)
     model = sr.SpecModel(backbone, cfg, tap_mode=meta.get("tap_mode"), impl=impl)
     weights = sr.Weights(bparams, dparams, backbone.tied(bparams), temps)
-    return Bundle(model, weights, family, calibration, table, tokenizer, path)
+    return Bundle(model, weights, meta["backbone"].get("family"), calibration, table, tokenizer, path)
+
+
+def _calibration(path: Path, block_size: int) -> Calibration | None:
+    """The bundle's STS temperatures, which must be one per draft position of THIS draft."""
+    if not path.is_file():
+        return None
+    calibration = Calibration.load(path)
+    if len(calibration.temperatures) != block_size:
+        raise UserError(f"{path}: {len(calibration.temperatures)} temperatures for a draft of block_size "
+                        f"{block_size} (one per draft position); refit it with `dspark calibrate`")
+    return calibration
+
+
+def _tokenizer(path: Path, vocab_size: int):
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as err:  # noqa: BLE001 (the tokenizers library raises a bare Exception)
+        raise UserError(f"{path}: not a Hugging Face tokenizer file ({err})") from None
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise UserError(f"{path}: the tokenizer has {tokenizer.get_vocab_size()} tokens, more than the model's "
+                        f"vocab_size {vocab_size}")
+    return tokenizer
 
 
 @functools.lru_cache(maxsize=4)

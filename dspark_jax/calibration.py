@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.errors import UserError
+
 
 def default_grid() -> np.ndarray:
     """Log grid of temperatures over [0.05, 20] with ratio 10^(1/60) (~3.9%) between neighbours.
@@ -181,29 +183,29 @@ class Calibration:
             with open(path) as f:
                 data = json.load(f)
         except OSError as err:
-            raise ValueError(f"calibration {path}: cannot read the file ({err.strerror})") from None
+            raise UserError(f"calibration {path}: cannot read the file ({err.strerror})") from None
         except json.JSONDecodeError as err:
-            raise ValueError(f"calibration {path}: not valid JSON ({err})") from None
+            raise UserError(f"calibration {path}: not valid JSON ({err})") from None
         return cls.from_dict(data, source=f"calibration {path}")
 
     @classmethod
     def from_dict(cls, data, *, source: str = "calibration") -> "Calibration":
         if not isinstance(data, dict) or "temperatures" not in data:
-            raise ValueError(f"{source}: expected a JSON object with key 'temperatures'")
+            raise UserError(f"{source}: expected a JSON object with key 'temperatures'")
         temps = data["temperatures"]
         if (not isinstance(temps, list) or not temps
                 or not all(_is_number(t) and math.isfinite(t) and t > 0 for t in temps)):
-            raise ValueError(f"{source}: 'temperatures' must be a non-empty list of finite numbers > 0, "
+            raise UserError(f"{source}: 'temperatures' must be a non-empty list of finite numbers > 0, "
                              f"got {temps!r}")
         meta = {}
         for key in ("ece_before", "ece_after"):
             v = data.get(key)
             if v is not None and not (_is_number(v) and v >= 0):
-                raise ValueError(f"{source}: '{key}' must be a number >= 0 or null, got {v!r}")
+                raise UserError(f"{source}: '{key}' must be a number >= 0 or null, got {v!r}")
             meta[key] = None if v is None else float(v)
         n = data.get("num_samples", 0)
         if not (isinstance(n, int) and not isinstance(n, bool) and n >= 0):
-            raise ValueError(f"{source}: 'num_samples' must be an integer >= 0, got {n!r}")
+            raise UserError(f"{source}: 'num_samples' must be an integer >= 0, got {n!r}")
         return cls(np.asarray(temps, np.float32), num_samples=n, **meta)
 
     def __repr__(self) -> str:

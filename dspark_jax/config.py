@@ -47,13 +47,15 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from dspark_jax.errors import UserError
+
 # Draft families: "deepseek_v41" (this DSparkConfig) and "qwen3" (DeepSpec drafts for Qwen3 targets,
 # `dspark_jax.deepspec.DeepSpecConfig`). `dspark_jax.draft` dispatches on `cfg.family`.
 FAMILIES = ("deepseek_v41", "qwen3")
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config value is missing, unknown or out of range; the message names the field."""
 
 

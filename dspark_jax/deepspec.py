@@ -57,6 +57,7 @@ The `norm` / `markov` / `confidence` keys match the V4.1 tree so the trainer's l
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import json
 from pathlib import Path
@@ -69,7 +70,7 @@ import jax.numpy as jnp
 from dspark_jax import sampling
 from dspark_jax.backbones.qwen3 import apply_rope_split_half
 from dspark_jax.checkpoint.trees import unflatten_paths
-from dspark_jax.config import ConfigError, check_field, is_int, is_number, read_json_config
+from dspark_jax.config import ConfigError, check_field, did_you_mean, is_int, is_number, read_json_config
 from dspark_jax.heads import markov_sample_loop
 from dspark_jax.nn.linear import linear, mixed_einsum
 from dspark_jax.nn.norm import rms_norm
@@ -257,6 +258,13 @@ class DeepSpecConfig:
         if not values.get("enable_confidence_head", True):
             values.setdefault("confidence_head_with_markov", False)
         extra = {k: v for k, v in raw.items() if k not in _HF_FIELDS and k not in _OUR_FIELDS}
+        # Foreign keys are kept (byte-identical export), but one that looks like a draft key is a typo:
+        # read as an extra key it would leave that field at its default.
+        known = sorted({*_HF_FIELDS, *_OUR_FIELDS})
+        typos = [k for k in extra if difflib.get_close_matches(k, known, 1, 0.85)]
+        if typos:
+            raise ConfigError("unknown DeepSpec config key(s) " + ", ".join(f"'{k}'{did_you_mean(k, known)}"
+                                                                         for k in sorted(typos)))
         values["extra_json"] = json.dumps(extra, sort_keys=True)
         values.update(overrides)
         try:

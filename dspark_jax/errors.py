@@ -14,7 +14,10 @@ User errors are:
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
+from typing import Any
 
 class UserError(ValueError):
     """Bad input from the user; the message names the file / field / line and what was expected."""
@@ -48,3 +51,21 @@ def one_line(err: BaseException) -> str:
 
 def debug_requested() -> bool:
     return os.environ.get("DSPARK_DEBUG", "") not in ("", "0")
+
+
+def read_json_file(path: str | os.PathLike, what: str = "file") -> Any:
+    """A JSON file's content, or UserError naming the file and what is wrong (missing, a directory, not
+    UTF-8, not JSON: with the line and column)."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{path}: {what} not found") from None
+    except IsADirectoryError:
+        raise UserError(f"{path}: expected a {what}, got a directory") from None
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not UTF-8 text (byte {err.start})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno})") from None

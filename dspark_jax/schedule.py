@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.errors import UserError
+
 
 class CostTableWarning(UserWarning):
     """A measured cost table had to be repaired (steps/sec rose with batch tokens)."""
@@ -116,18 +118,18 @@ class CostTable:
     @classmethod
     def from_dict(cls, data, *, source: str = "cost table") -> "CostTable":
         if not isinstance(data, dict):
-            raise ValueError(f"{source}: expected a JSON object with keys 'sample_batch_tokens', "
+            raise UserError(f"{source}: expected a JSON object with keys 'sample_batch_tokens', "
                              f"'sample_steps_per_sec', 'max_batch_tokens', got {type(data).__name__}")
         for key in ("sample_batch_tokens", "sample_steps_per_sec"):
             if key not in data:
-                raise ValueError(f"{source}: missing key '{key}' (SGLang cost-table format)")
+                raise UserError(f"{source}: missing key '{key}' (SGLang cost-table format)")
             if not isinstance(data[key], list):
-                raise ValueError(f"{source}: '{key}' must be a list of numbers, got {type(data[key]).__name__}")
+                raise UserError(f"{source}: '{key}' must be a list of numbers, got {type(data[key]).__name__}")
         max_bt = data.get("max_batch_tokens")
         try:
             return cls(data["sample_batch_tokens"], data["sample_steps_per_sec"], max_bt)
         except ValueError as err:
-            raise ValueError(f"{source}: {err}") from None
+            raise UserError(f"{source}: {err}") from None
 
     @classmethod
     def from_json(cls, path_or_text: str | os.PathLike) -> "CostTable":
@@ -139,11 +141,11 @@ class CostTable:
                 with open(path_or_text) as f:
                     text = f.read()
             except OSError as err:
-                raise ValueError(f"{source}: cannot read the file ({err.strerror})") from None
+                raise UserError(f"{source}: cannot read the file ({err.strerror})") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{source}: not valid JSON ({err})") from None
+            raise UserError(f"{source}: not valid JSON ({err})") from None
         return cls.from_dict(data, source=source)
 
     def __repr__(self) -> str:
@@ -158,16 +160,16 @@ def _validate_table(batch_tokens, steps_per_sec, max_batch_tokens):
         bt = np.asarray(batch_tokens, dtype=np.float64)
         sps = np.asarray(steps_per_sec, dtype=np.float64)
     except (TypeError, ValueError):
-        raise ValueError("sample_batch_tokens / sample_steps_per_sec must be lists of numbers") from None
+        raise UserError("sample_batch_tokens / sample_steps_per_sec must be lists of numbers") from None
     if bt.ndim != 1 or bt.size == 0:
-        raise ValueError(f"sample_batch_tokens: expected a non-empty 1-D list, got shape {bt.shape}")
+        raise UserError(f"sample_batch_tokens: expected a non-empty 1-D list, got shape {bt.shape}")
     if sps.shape != bt.shape:
-        raise ValueError(f"sample_steps_per_sec: expected {bt.size} values (one per sample_batch_tokens "
+        raise UserError(f"sample_steps_per_sec: expected {bt.size} values (one per sample_batch_tokens "
                          f"entry), got shape {sps.shape}")
     if not np.all(np.isfinite(bt)) or np.any(bt != np.round(bt)) or np.any(bt < 1):
-        raise ValueError(f"sample_batch_tokens: expected integers >= 1, got {bt.tolist()}")
+        raise UserError(f"sample_batch_tokens: expected integers >= 1, got {bt.tolist()}")
     if np.any(np.diff(bt) <= 0):
-        raise ValueError(f"sample_batch_tokens: expected strictly increasing values, got {bt.astype(int).tolist()}")
+        raise UserError(f"sample_batch_tokens: expected strictly increasing values, got {bt.astype(int).tolist()}")
     if not np.all(np.isfinite(sps)) or np.any(sps <= 0):
         raise ValueError(f"sample_steps_per_sec: expected finite numbers > 0, got {sps.tolist()}")
     if max_batch_tokens is None:

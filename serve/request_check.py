@@ -13,10 +13,12 @@ import math
 import numbers
 from collections.abc import Sequence
 
+from dspark_jax.errors import UserError
+
 _SEED_LIMIT = 2 ** 32
 
 
-class RequestError(ValueError):
+class RequestError(UserError):
     """A request field is wrong. `field` is the `Request` attribute's name (the HTTP layer maps it)."""
 
     def __init__(self, field: str, message: str):

@@ -69,10 +69,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dspark_jax.errors import UserError
 from dspark_jax.train.data import DataConfig
 
 
-class RunConfigError(ValueError):
+class RunConfigError(UserError):
     """The run config is invalid; the message names the key."""
 
 

@@ -34,11 +34,13 @@ from typing import Iterable, Iterator, Mapping
 import ml_dtypes
 import numpy as np
 
+from dspark_jax.errors import UserError
+
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit the reference implementation uses
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint file or tensor is malformed, missing, unexpected or mis-shaped; names it."""
 
 

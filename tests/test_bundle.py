@@ -1,0 +1,69 @@
+"""Loading a serving bundle (dspark_jax/bundle.py): every broken file is a UserError naming the file and
+what is wrong, never a library traceback or a silently wrong model."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from dspark_jax.bundle import load_bundle
+from dspark_jax.errors import UserError
+
+SOURCE = __import__("pathlib").Path(__file__).resolve().parents[1] / "dspark_jax" / "assets" / "default_qwen3"
+
+
+@pytest.fixture
+def bundle(tmp_path):
+    dst = tmp_path / "b"
+    shutil.copytree(SOURCE, dst, ignore=shutil.ignore_patterns("cost_tables", "logs"))
+    return dst
+
+
+def _edit_json(path, change):
+    d = json.loads(path.read_text())
+    change(d)
+    path.write_text(json.dumps(d))
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+CASES = {  # name: (break the bundle, the file the message names, a phrase it contains)
+    "no bundle.json": (lambda b: (b / "bundle.json").unlink(), "b", "not a dspark bundle"),
+    "bundle.json not JSON": (lambda b: (b / "bundle.json").write_text('{"draft": '), "bundle.json",
+                             "not valid JSON (Expecting value at line 1 column 11)"),
+    "bundle.json not UTF-8": (lambda b: (b / "bundle.json").write_bytes(b'{"x": "\xff"}'), "bundle.json", "not UTF-8"),
+    "bundle.json a list": (lambda b: (b / "bundle.json").write_text("[]"), "bundle.json", "expected a JSON object"),
+    "no backbone key": (lambda b: _edit_json(b / "bundle.json", lambda d: d.pop("backbone")), "bundle.json",
+                        "missing key 'backbone'"),
+    "draft key typo": (lambda b: _edit_json(b / "bundle.json", lambda d: d["draft"].update(markov_rnak=3)),
+                       "bundle.json", "markov_rank"),
+    "truncated draft": (lambda b: _truncate(b / "draft.safetensors"), "draft.safetensors", "truncated"),
+    "missing backbone weights": (lambda b: (b / "backbone.safetensors").unlink(), "backbone.safetensors", ""),
+    "tokenizer garbage": (lambda b: (b / "tokenizer.json").write_text("garbage"), "tokenizer.json",
+                          "not a Hugging Face tokenizer file"),
+    "calibration for another K": (lambda b: _edit_json(b / "calibration.json",
+                                                       lambda d: d.update(temperatures=d["temperatures"][:2])),
+                                  "calibration.json", "2 temperatures for a draft of block_size"),
+    "calibration NaN": (lambda b: (b / "calibration.json").write_text('{"temperatures": [NaN, 1, 1, 1, 1, 1, 1]}'),
+                        "calibration.json", "temperatures"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_broken_bundle_file_is_named(bundle, name):
+    brk, file, phrase = CASES[name]
+    brk(bundle)
+    with pytest.raises(UserError) as info:
+        load_bundle(bundle)
+    msg = str(info.value)
+    assert file in msg and phrase in msg, msg
+
+
+def test_the_intact_copy_loads(bundle):
+    b = load_bundle(bundle)
+    assert b.tokenizer is not None and b.calibration is not None
+    assert np.asarray(b.weights.temperatures).tolist() == pytest.approx(b.calibration.temperatures)
