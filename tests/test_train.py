@@ -497,6 +497,19 @@ def test_token_records_fixed_length_and_masks(tmp_path):
         next(s)
 
 
+def test_a_bad_training_line_is_skipped_with_a_warning_naming_it(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"tokens": [1, 2]}\n{"tokens": [3, "\xff"]}\nnot json\n{"tokens": [1, -4]}\n{"tokens": [5, 6]}\n')
+    s = D.JsonlStream(D.DataConfig(train=(str(path),), seq_len=4, shuffle_buffer=1), process_index=0, process_count=1)
+    with pytest.warns(D.DataWarning) as caught:
+        got = [next(s).tokens[:2].tolist() for _ in range(4)]
+    assert got == [[1, 2], [5, 6], [1, 2], [5, 6]]  # two epochs of the good lines, in file order
+    said = [str(w.message) for w in caught]
+    assert any(f"{path} line 2: not UTF-8" in m for m in said) and any("line 3: not valid JSON" in m for m in said)
+    assert any("line 4: 'tokens' must be a list of non-negative integers" in m for m in said)
+    assert s.skipped == 6
+
+
 def test_text_records_with_loss_spans(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 

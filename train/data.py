@@ -5,7 +5,10 @@ Record formats (one JSON object per line; blank lines are skipped):
     {"tokens": [id, ...], "loss_mask": [0/1, ...]}                  no tokenizer; loss_mask optional
 Without loss_spans / loss_mask every token is supervised. With loss_spans, a token is supervised iff
 its character range [start, end) is non-empty and overlaps one of the spans (so special tokens, whose
-range is empty, never are). Other keys are ignored.
+range is empty, never are). Other keys are ignored. A bad line (not UTF-8, not JSON, a bad field, a
+token outside the vocabulary) is skipped with a warning naming the file and line (the first
+`_MAX_WARNINGS`, then a count), so hours of training never end on one line; a stream whose every line is
+bad is an error.
 
 Sequences: each record becomes one sequence of exactly `seq_len` tokens: truncated, or padded with
 `pad_id` and loss_mask 0. Records are not packed together: the backbone forward has no document mask,
@@ -27,15 +30,24 @@ import dataclasses
 import glob
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
+from dspark_jax.errors import UserError
 from dspark_jax.train.anchors import sample_anchors
 
 
-class DataError(ValueError):
+_MAX_WARNINGS = 20
+
+
+class DataWarning(UserWarning):
+    """A training record was skipped."""
+
+
+class DataError(UserError):
     """A dataset file or record is unusable; the message names the file and line."""
 
 
@@ -165,6 +177,8 @@ class JsonlStream:
         self.epoch, self.consumed = 0, 0
         self._it: Iterator | None = None
         self._count: int | None = None
+        self.skipped = 0  # bad lines skipped so far
+        self._bad_run = 0  # bad lines in a row
 
     # ---- position --------------------------------------------------------------------------------
     def state(self) -> dict:
@@ -190,10 +204,10 @@ class JsonlStream:
         self._it = None
 
     # ---- iteration -------------------------------------------------------------------------------
-    def _host_lines(self) -> Iterator[tuple[int, str, str]]:
+    def _host_lines(self) -> Iterator[tuple[int, bytes, str]]:
         number = 0
         for path in self.paths:
-            with open(path) as f:
+            with open(path, "rb") as f:  # decoded per line: one bad byte spoils its line, not the file
                 for line_no, line in enumerate(f, start=1):
                     if not line.strip():
                         continue
@@ -235,17 +249,38 @@ class JsonlStream:
     def __next__(self) -> Example:
         if self._it is None:
             self._it = self._raw()
-        number, line, where = next(self._it)
-        epoch = self.epoch
+        while True:
+            number, line, where = next(self._it)
+            try:
+                example = self._example(number, line, where)
+            except DataError as err:
+                self._skip(err)
+                continue
+            self._bad_run = 0
+            return example
+
+    def _example(self, number: int, line: bytes, where: str) -> Example:
         try:
-            rec = json.loads(line)
+            rec = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise DataError(f"{where}: not UTF-8 text (byte {err.start})") from None
         except json.JSONDecodeError as err:
             raise DataError(f"{where}: not valid JSON ({err.msg})") from None
         ids, mask = encode_record(rec, self.tokenizer, add_special_tokens=self.cfg.add_special_tokens, where=where)
         if self.vocab_size is not None and ids.size and int(ids.max()) >= self.vocab_size:
             raise DataError(f"{where}: token id {int(ids.max())} is outside the vocabulary ({self.vocab_size})")
         tokens, loss_mask = fixed_length(ids, mask, self.cfg.seq_len, self.cfg.pad_id)
-        return Example(tokens, loss_mask, number, epoch)
+        return Example(tokens, loss_mask, number, self.epoch)
+
+    def _skip(self, err: DataError) -> None:
+        """Warn about a bad line and go on; every line of this host's share bad in a row is an error."""
+        self.skipped += 1
+        self._bad_run += 1
+        if self.skipped <= _MAX_WARNINGS:
+            tail = " (further bad lines are counted, not shown)" if self.skipped == _MAX_WARNINGS else ""
+            warnings.warn(f"skipping a bad training record: {err}{tail}", DataWarning, stacklevel=3)
+        if self._bad_run >= self.host_records():
+            raise DataError(f"every record of host {self.process_index} is bad (the last: {err})")
 
 
 def make_batch(examples: list[Example], num_anchors: int, seed: int) -> dict[str, np.ndarray]:
