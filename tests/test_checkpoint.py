@@ -965,16 +965,16 @@ def test_convert_cli_roundtrip_and_errors(tiny_ckpt, tmp_path, capsys, monkeypat
     capsys.readouterr()
 
     assert main(["convert", str(tmp_path / "nope"), str(tmp_path / "x"), "--to", "bf16",
-                 "--config", str(cfg_path)]) == 1
+                 "--config", str(cfg_path)]) == 2
     assert "nope: no such file or directory" in capsys.readouterr().err
-    assert main(["convert", str(folder), str(tmp_path / "bf16"), "--to", "bf16", "--config", str(cfg_path)]) == 1
+    assert main(["convert", str(folder), str(tmp_path / "bf16"), "--to", "bf16", "--config", str(cfg_path)]) == 2
     assert "exists and is not empty (pass --overwrite" in capsys.readouterr().err
-    assert main(["convert", str(folder), str(tmp_path / "y"), "--to", "bf16"]) == 1
+    assert main(["convert", str(folder), str(tmp_path / "y"), "--to", "bf16"]) == 2
     assert "no config: pass --config" in capsys.readouterr().err
-    assert main(["convert", str(tmp_path / "fp8"), str(tmp_path / "fp8"), "--to", "bf16", "--overwrite"]) == 1
+    assert main(["convert", str(tmp_path / "fp8"), str(tmp_path / "fp8"), "--to", "bf16", "--overwrite"]) == 2
     assert "must not contain the input" in capsys.readouterr().err
     assert open_checkpoint(tmp_path / "fp8").info("mtp.0.ffn.experts.0.w1.weight").dtype == "F4"  # untouched
     wrong = tmp_path / "wrong.json"
     TINY.replace(n_routed_experts=4, n_activated_experts=2).to_json(wrong)
-    assert main(["convert", str(folder), str(tmp_path / "z"), "--to", "fp8", "--config", str(wrong)]) == 1
+    assert main(["convert", str(folder), str(tmp_path / "z"), "--to", "fp8", "--config", str(wrong)]) == 2
     assert "tensor 'mtp.0.ffn.gate.weight': shape [8, 64], expected [4, 64]" in capsys.readouterr().err

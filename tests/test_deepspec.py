@@ -596,7 +596,7 @@ def test_dspark_convert_deepspec_to_bf16_orbax_and_a_serving_bundle(checkpoint, 
         a, b = open_checkpoint(folder), open_checkpoint(tmp_path / out)
         assert sorted(a.names) == sorted(b.names)
         assert all(a.view(n).tobytes() == b.view(n).tobytes() for n in a.names)
-    assert main(["convert", str(folder), str(tmp_path / "x"), "--to", "fp8", "--quiet"]) == 1
+    assert main(["convert", str(folder), str(tmp_path / "x"), "--to", "fp8", "--quiet"]) == 2
 
     # A Qwen3 target in the Hugging Face layout, and the draft trained against it (its embed/head copies).
     bb = Qwen3Backbone(BCFG)
@@ -613,7 +613,7 @@ def test_dspark_convert_deepspec_to_bf16_orbax_and_a_serving_bundle(checkpoint, 
     embed = np.asarray(np.asarray(bp["embed"]).astype(ml_dtypes.bfloat16), np.float64)  # the same bf16 values
     write_checkpoint(tmp_path / "draft", raw, {**weights, "embed_tokens.weight": embed, "lm_head.weight": embed})
     assert main(["convert", str(folder), str(tmp_path / "bad"), "--to", "bundle", "--backbone", str(target),
-                 "--quiet"]) == 1  # its embed/head are not this target's
+                 "--quiet"]) == 2  # its embed/head are not this target's
     assert main(["convert", str(tmp_path / "draft"), str(tmp_path / "bundle"), "--to", "bundle", "--backbone",
                  str(target), "--dtype", "float32", "--quiet"]) == 0
     bundle = load_bundle(tmp_path / "bundle", impl="xla")

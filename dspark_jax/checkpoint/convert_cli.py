@@ -21,7 +21,6 @@ or an Orbax checkpoint written by this command; `dspark_jax.checkpoint.deepspec`
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -225,13 +224,8 @@ def _deepspec_bundle(args, cfg) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark_jax.config import ConfigError  # noqa: PLC0415
-
+    """A bad checkpoint, config or path raises a UserError: `dspark` prints it as one line, exit 2."""
     t0 = time.perf_counter()
-    try:
-        msg = convert(args)
-    except (CheckpointError, ConfigError) as err:
-        print(f"dspark convert: error: {err}", file=sys.stderr)
-        return 1
+    msg = convert(args)
     print(f"{msg} in {time.perf_counter() - t0:.1f} s")
     return 0
