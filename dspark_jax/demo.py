@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     bundle, path = _load(args)
     if bundle is None:
-        return 1
+        return 2
     prompts = _prompts(args, bundle, path)
     model, weights = bundle.model, bundle.weights
     k = model.block_size

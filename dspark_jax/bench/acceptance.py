@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     path = args.bundle or default_dir()
     if path is None:
         print(missing_default_message("dspark bench acceptance", random_tiny=False), file=sys.stderr)
-        return 1
+        return 2
     bundle = load_bundle(path, impl=args.impl)
     prompts_file = Path(args.prompts_file) if args.prompts_file else Path(path) / "prompts.jsonl"
     prompts = read_prompts(prompts_file, args.prompts)
