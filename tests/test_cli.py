@@ -61,6 +61,23 @@ def test_bench_serve_sweeps_every_policy_and_plots(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_bench_serve_over_http_completes_every_request(tmp_path, capsys):
+    out = tmp_path / "http.json"
+    assert main(["bench", "serve", "--http", "--warmup", "quick", "--random-tiny", "--impl", "xla",
+                 "--concurrency", "1,2", "--requests-per-client", "2", "--min-tokens", "3", "--max-tokens", "8",
+                 "--max-prompt", "16", "--max-len", "64", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    for r in rows:
+        for mode in ("plain", "async"):
+            s = r[mode]
+            assert s["ok"] == s["requests"] == 2 * r["concurrency"] and not s["errors"], s
+            assert s["tok_s"] > 0 and s["ttft_p50"] > 0 and s["itl_p99"] >= s["itl_p50"] >= 0
+        assert r["plain"]["mean_verify"] == 0
+    assert "async/plain" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_generate_on_a_mesh_emits_the_one_device_tokens(tmp_path):
     """`--mesh data=2,expert=4` on the 8 host devices: the tiny draft's experts and the slots sharded, the
     kernels in interpret mode inside shard_map (impl pallas), the same greedy tokens as one device."""

@@ -41,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--http", action="store_true",
                         help="through `dspark serve` on loopback: plain vs async, throughput, TTFT and ITL p50/p99")
+    parser.add_argument("--warmup", default="full", choices=("full", "quick", "none"),
+                        help="with --http: the server's warm-up before it is ready (see dspark serve)")
     parser.add_argument("--http-timeout", type=float, default=600.0, help="per-request deadline with --http (s)")
 
 

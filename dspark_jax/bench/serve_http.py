@@ -105,6 +105,8 @@ def summarize(outcomes: list[Outcome], wall: float) -> dict:
 
 def run_http(args, bundle, concurrencies, workload) -> list[dict]:
     from dspark_jax.serve.engine import Engine, EngineConfig
+    import jax
+
     from dspark_jax.serve.http import ThreadedServer, create_app
     from dspark_jax.serve.loop import EngineLoop
     from dspark_jax.serve.metrics import ServerMetrics
@@ -120,7 +122,7 @@ def run_http(args, bundle, concurrencies, workload) -> list[dict]:
             cfg = EngineConfig(max_slots=c, max_len=args.max_len, mode=mode, progress=False)
             metrics = ServerMetrics()
             loop = EngineLoop(lambda cfg=cfg: Engine(bundle.model, bundle.weights, cfg, cost_table=table),
-                              max_queue=len(reqs), on_round=metrics.observe_round)
+                              max_queue=len(reqs), warmup=args.warmup, on_round=metrics.observe_round)
             metrics.attach(loop)
             loop.start()
             server = ThreadedServer(create_app(loop, tokenizer=bundle.tokenizer, metrics=metrics), ready_timeout_s=900)
@@ -128,13 +130,19 @@ def run_http(args, bundle, concurrencies, workload) -> list[dict]:
             try:
                 closed_loop_http(url + "/v1/completions", reqs, c, args.http_timeout)  # warm-up (compiles)
                 outcomes, wall = closed_loop_http(url + "/v1/completions", reqs, c, args.http_timeout)
+                engine_metrics = loop.engine.metrics  # both passes: what the scheduler chose
             finally:
                 server.stop()
                 loop.shutdown(5)
+                # Free this server's programs: on CPU each holds ~500 memory maps, and a process may have
+                # 65530 (vm.max_map_count); several fully warmed servers in one process would exceed it.
+                jax.clear_caches()
             row[mode] = s = summarize(outcomes, wall)
+            s.update(mean_verify=float(engine_metrics.mean_verify), tau=float(engine_metrics.tau))
             print(f"  {mode:6s} {s['tok_s']:8.1f} tok/s  TTFT p50/p99 {s['ttft_p50'] * 1e3:7.1f}/{s['ttft_p99'] * 1e3:7.1f} ms"
                   f"  ITL p50/p99 {s['itl_p50'] * 1e3:6.1f}/{s['itl_p99'] * 1e3:6.1f} ms  "
-                  f"complete {s['ok']}/{s['requests']}" + (f"  errors: {s['errors']}" if s["errors"] else ""),
+                  f"complete {s['ok']}/{s['requests']}  verified/round {s['mean_verify']:.2f}"
+                  + (f"  errors: {s['errors']}" if s["errors"] else ""),
                   flush=True)
         rows.append(row)
     print_http_table(rows)
@@ -146,12 +154,13 @@ def print_http_table(rows) -> None:
 
     print("\nover HTTP (SSE, loopback): tokens/s, time to first token and inter-token latency p50 / p99 (ms)")
     print(f"{'conc':>4} {'mode':>6} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
-          f"{'complete':>9}")
+          f"{'complete':>9} {'verify':>6}")
     for r in rows:
         for mode in MODES:
             s = r[mode]
             print(f"{r['concurrency']:>4} {mode:>6} {s['tok_s']:>8.1f} {s['ttft_p50'] * 1e3:>9.1f} "
                   f"{s['ttft_p99'] * 1e3:>9.1f} {s['itl_p50'] * 1e3:>8.1f} {s['itl_p99'] * 1e3:>8.1f} "
-                  f"{s['ok']:>4}/{s['requests']:<4}")
+                  f"{s['ok']:>4}/{s['requests']:<4} {s.get('mean_verify', float('nan')):>6.2f}")
         print(f"{'':>4} {'async/plain':>15} {r['async']['tok_s'] / max(r['plain']['tok_s'], 1e-9):>8.2f}")
-    print(f"({jax.devices()[0].platform.upper()} figures; closed loop over loopback HTTP, one timed pass after a warm-up)")
+    print(f"({jax.devices()[0].platform.upper()} figures; closed loop over loopback HTTP, one timed pass after a warm-up; "
+          "verify: drafts verified per request-round, both passes)")
