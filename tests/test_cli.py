@@ -1,6 +1,7 @@
 """The serving CLIs end to end on the tiny random model: profile a cost table, generate with it."""
 
 import json
+import math
 
 import pytest
 
@@ -72,7 +73,10 @@ def test_bench_serve_over_http_completes_every_request(tmp_path, capsys):
         for mode in ("plain", "async"):
             s = r[mode]
             assert s["ok"] == s["requests"] == 2 * r["concurrency"] and not s["errors"], s
-            assert s["tok_s"] > 0 and s["ttft_p50"] > 0 and s["itl_p99"] >= s["itl_p50"] >= 0
+            assert s["tok_s"] > 0
+            # The random tiny bundle has no tokenizer, so its streams carry no text: no latency is
+            # measurable, and the bench says NaN rather than 0.
+            assert all(math.isnan(s[k]) for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")), s
         assert r["plain"]["mean_verify"] == 0
     assert "async/plain" in capsys.readouterr().out
 

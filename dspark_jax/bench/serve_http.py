@@ -63,7 +63,8 @@ def stream_one(client, url: str, body: dict) -> Outcome:
         return Outcome(False, error=f"{type(err).__name__}: {err}")
     if not done or usage is None:
         return Outcome(False, error="the stream ended without a final usage chunk and [DONE]")
-    return Outcome(True, usage["completion_tokens"], (first or last) - t0, gaps)
+    # No text chunk (a bundle without a tokenizer streams no text): its latencies are not measurable.
+    return Outcome(True, usage["completion_tokens"], first - t0 if first is not None else float("nan"), gaps)
 
 
 def closed_loop_http(url: str, requests, concurrency: int, timeout: float) -> tuple[list[Outcome], float]:
@@ -93,14 +94,20 @@ def closed_loop_http(url: str, requests, concurrency: int, timeout: float) -> tu
     return [r or Outcome(False, error="never sent") for r in results], time.perf_counter() - t0
 
 
+def _percentile(x: list[float], q: float) -> float:
+    """The q-th percentile of the measured values; NaN when nothing was measured."""
+    x = np.asarray(x, float)
+    x = x[~np.isnan(x)]
+    return float(np.percentile(x, q)) if x.size else float("nan")
+
+
 def summarize(outcomes: list[Outcome], wall: float) -> dict:
     ok = [o for o in outcomes if o.ok]
-    gaps = np.concatenate([np.asarray(o.gaps) for o in ok if o.gaps]) if any(o.gaps for o in ok) else np.zeros(1)
-    ttft = np.asarray([o.ttft for o in ok]) if ok else np.zeros(1)
+    gaps = [g for o in ok for g in o.gaps]
+    ttft = [o.ttft for o in ok]
     return {"requests": len(outcomes), "ok": len(ok), "errors": sorted({o.error for o in outcomes if not o.ok}),
-            "tok_s": sum(o.tokens for o in ok) / wall, "ttft_p50": float(np.percentile(ttft, 50)),
-            "ttft_p99": float(np.percentile(ttft, 99)), "itl_p50": float(np.percentile(gaps, 50)),
-            "itl_p99": float(np.percentile(gaps, 99))}
+            "tok_s": sum(o.tokens for o in ok) / wall, "ttft_p50": _percentile(ttft, 50),
+            "ttft_p99": _percentile(ttft, 99), "itl_p50": _percentile(gaps, 50), "itl_p99": _percentile(gaps, 99)}
 
 
 def run_http(args, bundle, concurrencies, workload) -> list[dict]:
