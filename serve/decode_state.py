@@ -370,13 +370,22 @@ CATCH_UP = jax.jit(catch_up, static_argnums=0, donate_argnames=("state",), stati
 EVICT = jax.jit(evict, donate_argnames=("state",))
 
 
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= n (n >= 1): the bucket every padded host-side shape rounds up to."""
+    return 1 << (n - 1).bit_length()
+
+
+def prompt_bucket(longest: int, max_len: int, min_bucket: int) -> int:
+    """The padded prompt length P of an admit call whose longest prompt has `longest` tokens."""
+    return min(max_len, max(min_bucket, pow2_at_least(longest)))
+
+
 def joining_rows(slots: list[int], prompts: list[list[int]], requests, num_slots: int, max_len: int,
                  max_stops: int, min_bucket: int) -> Joining:
     """Host side: the padded arrays of one admit call (J and P bucketed to powers of two, so few programs
     compile). Padded rows point at slot `num_slots` (dropped on device)."""
-    j = 1 << (len(slots) - 1).bit_length()
-    longest = max(len(p) for p in prompts)
-    p_len = min(max_len, max(min_bucket, 1 << (longest - 1).bit_length()))
+    j = pow2_at_least(len(slots))
+    p_len = prompt_bucket(max(len(p) for p in prompts), max_len, min_bucket)
     slot = np.full((j,), num_slots, np.int32)
     prompt = np.zeros((j, p_len), np.int32)
     plen = np.ones((j,), np.int32)

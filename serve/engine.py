@@ -359,41 +359,26 @@ class Engine:
         calls = sorted({1, cfg.rounds_per_call})
         out = [functools.partial(self._warm_admit, j, length) for j, length in self._admit_buckets()]
 
-        def plain(rounds, ingest):
-            self._state, _ = ds.PLAIN_ROUNDS(self.model, self.weights, self._state, rounds=rounds,
-                                             max_len=cfg.max_len, ingest_draft=ingest)
-
-        def spec(rounds, width, mode, filtering):
-            self._state, _ = ds.SPEC_ROUNDS(self.model, self.weights, self._state, self.cost_table, rounds=rounds,
-                                            max_len=cfg.max_len, width=width, mode=mode,
-                                            num_verify=self._num_verify(mode), min_gain=cfg.min_gain,
-                                            filtering=filtering)
-
-        def catch_up(width):
-            self._state = ds.CATCH_UP(self.model, self.weights, self._state, width=width)
-
         if cfg.mode == "plain":
-            return out + [functools.partial(plain, r, False) for r in calls]
+            return out + [functools.partial(self._run_plain, r, False) for r in calls]
         deferring = bool(cfg.max_deferred_ingest)
-        out += [functools.partial(plain, r, deferring) for r in calls]
+        out += [functools.partial(self._run_plain, r, deferring) for r in calls]
         modes = {"off": [("fixed", calls)], "fixed": [("fixed", calls)], "sync": [("sync", calls)],
                  "async": [("async", calls), ("fixed", [1])]}[cfg.mode]  # async probes: one fixed round
-        out += [functools.partial(spec, r, w, m, f) for m, rs in modes for r in rs for w in self.width_buckets
+        out += [functools.partial(self._run_spec, r, w, m, f) for m, rs in modes for r in rs for w in self.width_buckets
                 for f in (False, True)]
         if deferring:
-            widths = sorted({min(1 << (n - 1).bit_length(), cfg.max_deferred_ingest)
-                             for n in range(1, cfg.max_deferred_ingest + 1)})
-            out += [functools.partial(catch_up, w) for w in widths]
+            widths = sorted({self._catch_up_width(n) for n in range(1, cfg.max_deferred_ingest + 1)})
+            out += [functools.partial(self._run_catch_up, w) for w in widths]
         return out
 
     def _admit_buckets(self) -> list[tuple[int, int]]:
         """(joining rows, a prompt length) for each distinct padded admit shape."""
         cfg = self.config
-        rows = sorted({1 << (n - 1).bit_length() for n in range(1, cfg.max_slots + 1)})
+        rows = sorted({ds.pow2_at_least(n) for n in range(1, cfg.max_slots + 1)})
         by_shape = {}
         for length in range(1, cfg.max_len - 1):
-            shape = min(cfg.max_len, max(cfg.min_prompt_bucket, 1 << (length - 1).bit_length()))
-            by_shape.setdefault(shape, length)
+            by_shape.setdefault(ds.prompt_bucket(length, cfg.max_len, cfg.min_prompt_bucket), length)
         return [(j, length) for j in rows for length in by_shape.values()]
 
     def _warm_admit(self, joining: int, length: int) -> None:
@@ -518,10 +503,7 @@ class Engine:
         width = next(w for w in self.width_buckets if w >= 1 + most)
         mode = "fixed" if cfg.mode in ("off", "fixed") or probe else cfg.mode
         filtering = any(lv.request.top_k > 0 or lv.request.top_p < 1 for lv in running)
-        self._state, delta = ds.SPEC_ROUNDS(
-            self.model, self.weights, self._state, self.cost_table, rounds=rounds, max_len=cfg.max_len, width=width,
-            mode=mode, num_verify=self._num_verify(mode), min_gain=cfg.min_gain, filtering=filtering)
-        self._push("spec", delta, rounds)
+        self._push("spec", self._run_spec(rounds, width, mode, filtering), rounds)
         return True
 
     def _num_verify(self, mode: str) -> int | None:
@@ -536,17 +518,34 @@ class Engine:
             if self._deferred + rounds > self.config.max_deferred_ingest:
                 self._catch_up()
             self._deferred += rounds
-        self._state, delta = ds.PLAIN_ROUNDS(self.model, self.weights, self._state, rounds=rounds,
-                                             max_len=self.config.max_len, ingest_draft=ingest_draft)
-        self._push("plain", delta, rounds)
+        self._push("plain", self._run_plain(rounds, ingest_draft), rounds)
 
     def _catch_up(self) -> None:
         """The draft ingests the positions plain steps deferred (before it proposes or the buffer fills)."""
         if self._deferred:
             # Read only as many buffer rows as were written (a power of two: few programs).
-            width = min(1 << (self._deferred - 1).bit_length(), self.config.max_deferred_ingest)
-            self._state = ds.CATCH_UP(self.model, self.weights, self._state, width=width)
+            self._run_catch_up(self._catch_up_width(self._deferred))
             self._deferred = 0
+
+    # The programs, one call each (the dispatcher and warm_up run exactly these).
+    def _run_spec(self, rounds: int, width: int, mode: str, filtering: bool) -> ds.Delta:
+        cfg = self.config
+        self._state, delta = ds.SPEC_ROUNDS(
+            self.model, self.weights, self._state, self.cost_table, rounds=rounds, max_len=cfg.max_len, width=width,
+            mode=mode, num_verify=self._num_verify(mode), min_gain=cfg.min_gain, filtering=filtering)
+        return delta
+
+    def _run_plain(self, rounds: int, ingest_draft: bool) -> ds.Delta:
+        self._state, delta = ds.PLAIN_ROUNDS(self.model, self.weights, self._state, rounds=rounds,
+                                             max_len=self.config.max_len, ingest_draft=ingest_draft)
+        return delta
+
+    def _run_catch_up(self, width: int) -> None:
+        self._state = ds.CATCH_UP(self.model, self.weights, self._state, width=width)
+
+    def _catch_up_width(self, deferred: int) -> int:
+        """Buffer rows a catch-up reads: as many as were written, as a power of two (few programs)."""
+        return min(ds.pow2_at_least(deferred), self.config.max_deferred_ingest)
 
     def _push(self, kind: str, delta: ds.Delta, rounds: int, emitting: list[int] | None = None) -> None:
         """Queue a dispatched program's output for reading; `emitting` (default: every owned slot) are
