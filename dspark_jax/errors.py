@@ -38,7 +38,7 @@ def is_user_error(err: BaseException) -> bool:
     if isinstance(err, OSError):
         return getattr(err, "filename", None) is not None or _raised_in_our_code(err)
     if isinstance(err, ValueError):
-        return type(err).__module__.startswith("dspark_jax") or _raised_in_our_code(err)
+        return _raised_in_our_code(err)  # our own ValueError classes are all UserErrors
     return False
 
 

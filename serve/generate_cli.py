@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_requests(lines, tokenizer, defaults) -> tuple[list, dict]:
     """Raw input lines (bytes or str) -> (requests, {index: error}) for lines that could not even be turned
-    into a request. Request i carries id (index, its own "id") so results map back to their lines."""
+    into a request (`result_record` adds the line number to every error). Request i carries id (index, its own "id") so results map back to their lines."""
     from dspark_jax.serve.engine import Request
 
     reqs, errors = [], {}
@@ -69,19 +69,17 @@ def parse_requests(lines, tokenizer, defaults) -> tuple[list, dict]:
                                 top_k=rec.get("top_k", 0), top_p=rec.get("top_p", 1.0), seed=rec.get("seed", i),
                                 stop_tokens=tuple(stop), id=(i, rec.get("id", i))))
         except UnicodeDecodeError as err:
-            errors[i] = f"line {i + 1}: not UTF-8 text (byte {err.start})"
+            errors[i] = f"not UTF-8 text (byte {err.start})"
         except (ValueError, TypeError) as err:
-            errors[i] = f"line {i + 1}: {err}"
+            errors[i] = str(err)
     return reqs, errors
 
 
 def result_record(index: int, rid, result, tokenizer) -> dict:
     """One output line (`index` is the 0-based input line)."""
     rec = {"line": index + 1, "id": rid, "tokens": result.tokens, "finish_reason": result.finish_reason,
-           "error": result.error, "rounds": result.rounds, "accepted": result.accepted,
-           "tau": len(result.tokens) / max(result.rounds, 1)}
-    if result.error and not result.error.startswith("line "):
-        rec["error"] = f"line {index + 1}: {result.error}"
+           "error": f"line {index + 1}: {result.error}" if result.error else result.error,
+           "rounds": result.rounds, "accepted": result.accepted, "tau": len(result.tokens) / max(result.rounds, 1)}
     if tokenizer is not None and result.tokens:
         rec["text"] = tokenizer.decode(result.tokens)
     return rec
