@@ -243,7 +243,11 @@ class ThreadedServer:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        # log_config=None: an embedded server leaves the host process's logging alone. uvicorn's default
+        # dictConfig shuts down every existing handler, and absl's (installed by orbax) closes the stream
+        # it was created with: under pytest, the capture file of an earlier test, so the run ends.
+        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="warning",
+                                                    timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + ready_timeout_s
