@@ -15,12 +15,12 @@ import argparse
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from dspark_jax import calibration
+from dspark_jax.errors import UserError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,14 +36,18 @@ def read_records(path: str | os.PathLike):
     logits, accepted, verified = [], [], []
     num_positions = None
     try:
-        f = open(path)
+        f = open(path, "rb")  # decoded per line, so a bad byte is reported with its line
     except OSError as err:
         raise ValueError(f"{path}: cannot read the records file ({err.strerror})") from None
     with f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             where = f"{path} line {line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{where}: not UTF-8 text (byte {err.start})") from None
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as err:
@@ -124,14 +128,11 @@ def plot_reliability(conf_logits, num_accepted, num_verified, cal: calibration.C
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        if args.bins < 1:
-            raise ValueError(f"--bins: expected an integer >= 1, got {args.bins}")
-        z, n, m = read_records(args.records)
-        cal = calibration.fit_sts(z, n, m, bins=args.bins)
-    except ValueError as err:
-        print(f"dspark calibrate: error: {err}", file=sys.stderr)
-        return 2
+    # Bad input raises UserError / ValueError naming it; the CLI boundary prints it as one line, exit 2.
+    if args.bins < 1:
+        raise UserError(f"--bins: expected an integer >= 1, got {args.bins}")
+    z, n, m = read_records(args.records)
+    cal = calibration.fit_sts(z, n, m, bins=args.bins)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     cal.save(out)

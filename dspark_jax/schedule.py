@@ -171,16 +171,16 @@ def _validate_table(batch_tokens, steps_per_sec, max_batch_tokens):
     if np.any(np.diff(bt) <= 0):
         raise UserError(f"sample_batch_tokens: expected strictly increasing values, got {bt.astype(int).tolist()}")
     if not np.all(np.isfinite(sps)) or np.any(sps <= 0):
-        raise ValueError(f"sample_steps_per_sec: expected finite numbers > 0, got {sps.tolist()}")
+        raise UserError(f"sample_steps_per_sec: expected finite numbers > 0, got {sps.tolist()}")
     if max_batch_tokens is None:
         max_bt = int(bt[-1])
     else:
         if (isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, (int, float, np.number))
                 or not float(max_batch_tokens).is_integer()):
-            raise ValueError(f"max_batch_tokens: expected an integer, got {max_batch_tokens!r}")
+            raise UserError(f"max_batch_tokens: expected an integer, got {max_batch_tokens!r}")
         max_bt = int(max_batch_tokens)
         if max_bt < bt[-1]:
-            raise ValueError(f"max_batch_tokens: expected >= the largest sample ({int(bt[-1])}), got {max_bt}")
+            raise UserError(f"max_batch_tokens: expected >= the largest sample ({int(bt[-1])}), got {max_bt}")
     return bt.astype(np.int64), sps, max_bt
 
 

@@ -46,6 +46,7 @@ import dataclasses
 import functools
 import itertools
 import time
+import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -53,6 +54,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dspark_jax import spec_round as sr
+from dspark_jax.errors import UserError
 from dspark_jax.schedule import CostTable, width_buckets
 from dspark_jax.serve import decode_state as ds
 from dspark_jax.serve.request_check import Request, RequestError, check_request  # noqa: F401 (re-exported)
@@ -216,6 +218,19 @@ class _Pending:
     rounds: int  # rounds in the program (each emits >= 1 token for a running row)
 
 
+def check_cost_table_fits(table: CostTable, slots: int, k: int) -> None:
+    """A cost table is measured for one engine size; refuse one too small to run a plain step of every
+    slot, and warn when it cannot cover the largest speculative step (verification is then capped)."""
+    covered, largest = int(table.max_batch_tokens), slots * (k + 1)
+    hint = f"measure one for this engine with `dspark profile --slots {slots}`"
+    if covered < slots:
+        raise UserError(f"cost table: max_batch_tokens {covered} is below the engine's {slots} slots (one plain "
+                        f"step of every slot does not fit): it was measured for a smaller engine; {hint}")
+    if covered < largest:
+        warnings.warn(f"cost table: max_batch_tokens {covered} < {largest} ({slots} slots x (K + 1)): the scheduler "
+                      f"will verify at most {covered - slots} drafts per round; {hint}", stacklevel=3)
+
+
 class Engine:
     def __init__(self, model: sr.SpecModel, weights: sr.Weights, config: EngineConfig = EngineConfig(),
                  cost_table: CostTable | None = None, mesh=None):
@@ -232,6 +247,8 @@ class Engine:
                                            and 0 <= config.num_verify <= model.block_size):
             raise ValueError(f"engine mode 'fixed' needs num_verify in [0, {model.block_size}], "
                              f"got {config.num_verify}")
+        if config.mode in ("sync", "async"):
+            check_cost_table_fits(cost_table, config.max_slots, model.block_size)
         self.model, self.weights, self.config, self.cost_table = model, weights, config, cost_table
         self.mesh = mesh
         if mesh is not None:  # parameters by their logical names; the decode state by slot (at allocation)

@@ -256,10 +256,12 @@ def test_calibrate_cli_writes_json_and_one_png_per_position(tmp_path, monkeypatc
     (['{"logits": [1, "a"], "num_accepted": 0, "num_verified": 1}'], "line 1: field 'logits'"),
     (['{"logits": [1, 2], "num_accepted": 0, "num_verified": 1}', "not json"], "line 2: not valid JSON"),
     ([""], "no records"),
+    (['{"logits": [1, 2], "num_accepted": 0, "num_verified": 1}', b'{"logits": [1, 2]\xff}'],
+     "line 2: not UTF-8 text (byte 17)"),
 ])
 def test_calibrate_cli_bad_records_name_line_and_field(tmp_path, monkeypatch, capsys, lines, match):
     records = tmp_path / "records.jsonl"
-    records.write_text("\n".join(lines) + "\n")
+    records.write_bytes(b"".join((x if isinstance(x, bytes) else x.encode()) + b"\n" for x in lines))
     assert run_cli(monkeypatch, records, "--out", tmp_path / "cal.json") == 2
     err = capsys.readouterr().err
     assert match in err and str(records) in err

@@ -11,6 +11,7 @@ from spec_helpers import random_prompts as prompts
 from test_spec_round import CFG, family, plain_greedy
 
 from dspark_jax import spec_round as sr
+from dspark_jax.errors import UserError
 from dspark_jax.schedule import CostTable
 from dspark_jax.serve import decode_state as ds
 from dspark_jax.serve.engine import Engine, EngineConfig, Request
@@ -131,6 +132,14 @@ def _liar_propose(model, weights, state, params, seeds, filtering):
     out = oracle_propose(model, weights, state, params, seeds, filtering)
     wrong = (backbone_greedy_drafts(model, weights, state) + 1) % model.backbone.vocab_size
     return out._replace(tokens=wrong, conf_logits=jnp.full(out.conf_logits.shape, 10.0))
+
+
+def test_a_cost_table_measured_for_a_smaller_engine_is_refused_or_capped_with_a_warning():
+    with pytest.raises(UserError, match="max_batch_tokens 2 is below the engine's 3 slots.*--slots 3"):
+        _engine("async", slots=3, table=CostTable(np.array([1, 2]), np.array([100.0, 90.0])))
+    with pytest.warns(UserWarning, match="verify at most 1 drafts per round"):
+        _engine("sync", slots=3, table=CostTable(np.array([1, 4]), np.array([100.0, 90.0])))
+    _engine("off", slots=3, table=CostTable(np.array([1, 2]), np.array([100.0, 90.0])))  # plain: unused
 
 
 def test_async_scheduler_learns_that_overconfident_drafts_do_not_pay():

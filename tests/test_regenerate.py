@@ -110,7 +110,9 @@ def test_resuming_with_other_settings_is_an_error(tmp_path, bundle, prompts, ful
 
 @pytest.mark.parametrize("field,value,match", [("num_prompts", 0, "num_prompts"), ("temperatures", (), "temperatures"),
                                                ("temperatures", (float("nan"),), "temperatures"),
-                                               ("mode", "fast", "mode"), ("prompt_len", 2.5, "prompt_len")])
+                                               ("mode", "fast", "mode"), ("prompt_len", 2.5, "prompt_len"),
+                                               ("top_k", -1, "top_k"), ("top_p", 0.0, "top_p"),
+                                               ("top_p", float("nan"), "top_p")])
 def test_bad_settings_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
         RegenConfig(**{field: value})

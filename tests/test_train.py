@@ -906,7 +906,7 @@ def test_rollout_is_on_policy_and_its_records_feed_calibration(trainer1, tmp_pat
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_run_config_yaml_and_errors(tmp_path):
+def test_run_config_yaml_and_errors(tmp_path, monkeypatch, capsys):
     cfg = RunConfig.from_yaml(CONFIGS / "train_tiny.yaml")
     assert cfg.backbone.config == str(CONFIGS / "tiny_mhc_backbone.json")
     assert cfg.data.train == (str(CONFIGS / "../tests/data/tiny_train.jsonl"),)
@@ -916,13 +916,11 @@ def test_run_config_yaml_and_errors(tmp_path):
                    "optim: {lr: 1, foo: 2}\n")
     with pytest.raises(RunConfigError, match="optim.foo"):
         RunConfig.from_yaml(bad)
-    import argparse
+    from dspark_jax.cli import main
 
-    from dspark_jax.train import cli
-
-    parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
-    assert cli.run(parser.parse_args(["--config", str(bad)])) == 2
+    monkeypatch.setattr(sys, "argv", sys.argv[:])  # cli.main rewrites sys.argv; restore it after
+    assert main(["train", "--config", str(bad)]) == 2  # the CLI boundary: one line naming the key
+    assert "optim.foo" in capsys.readouterr().err
     with pytest.raises(RunConfigError, match="multiple of grad_accum"):
         RunConfig.from_dict(run_config(tmp_path, tmp_path, global_batch=6, grad_accum=4))
     # the lr schedule: warmup from lr/warmup (never 0), peak, cosine to 0

@@ -26,23 +26,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import dataclasses  # noqa: PLC0415
 
-    from dspark_jax.train.config import RunConfig, RunConfigError  # noqa: PLC0415
+    from dspark_jax.train.config import RunConfig  # noqa: PLC0415
 
-    try:
-        cfg = RunConfig.from_yaml(args.config)
-        changes = {}
-        if args.run_dir is not None:
-            changes["run_dir"] = args.run_dir
-        if args.steps is not None:
-            changes["steps"] = args.steps
-        dist = {k: v for k, v in (("coordinator", args.coordinator), ("num_processes", args.num_processes),
-                                  ("process_id", args.process_id)) if v is not None}
-        if dist:
-            changes["distributed"] = dataclasses.replace(cfg.distributed, **dist)
-        cfg = cfg.replace(**changes)
-    except (RunConfigError, ValueError) as err:
-        print(f"dspark train: {err}", file=sys.stderr)
-        return 2
+    # A bad config or override raises RunConfigError naming the key; the CLI boundary prints one line.
+    cfg = RunConfig.from_yaml(args.config)
+    changes = {}
+    if args.run_dir is not None:
+        changes["run_dir"] = args.run_dir
+    if args.steps is not None:
+        changes["steps"] = args.steps
+    dist = {k: v for k, v in (("coordinator", args.coordinator), ("num_processes", args.num_processes),
+                              ("process_id", args.process_id)) if v is not None}
+    if dist:
+        changes["distributed"] = dataclasses.replace(cfg.distributed, **dist)
+    cfg = cfg.replace(**changes)
 
     from dspark_jax.train.trainer import Trainer, init_distributed  # noqa: PLC0415
 

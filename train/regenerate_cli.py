@@ -65,20 +65,18 @@ def _backbone(args):
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark_jax.train.data import DataError, load_tokenizer
+    from dspark_jax.train.data import load_tokenizer
     from dspark_jax.train.regenerate import RegenConfig, load_documents, prompt_windows, regenerate
 
-    try:
-        cfg = RegenConfig(num_prompts=args.num_prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_tokens,
-                          temperatures=_temperatures(args.temperatures), top_k=args.top_k, top_p=args.top_p,
-                          seed=args.seed, slots=args.slots, mode=args.mode)
-        model, weights, tokenizer, table = _backbone(args)
-        if args.tokenizer:
-            tokenizer = load_tokenizer(args.tokenizer)
-        prompts = prompt_windows(load_documents(args.data, tokenizer), cfg)
-        stats = regenerate(model, weights, prompts, args.out, cfg, cost_table=table, progress=not args.no_progress)
-    except (ValueError, DataError, OSError) as err:
-        print(f"dspark regenerate: {err}", file=sys.stderr)
-        return 2
+    # Bad arguments and files raise UserError (DataError, RunConfigError, ...) naming them; the CLI
+    # boundary prints one line and exits 2.
+    cfg = RegenConfig(num_prompts=args.num_prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_tokens,
+                      temperatures=_temperatures(args.temperatures), top_k=args.top_k, top_p=args.top_p,
+                      seed=args.seed, slots=args.slots, mode=args.mode)
+    model, weights, tokenizer, table = _backbone(args)
+    if args.tokenizer:
+        tokenizer = load_tokenizer(args.tokenizer)
+    prompts = prompt_windows(load_documents(args.data, tokenizer), cfg)
+    stats = regenerate(model, weights, prompts, args.out, cfg, cost_table=table, progress=not args.no_progress)
     print(json.dumps(stats), file=sys.stderr)
     return 0
