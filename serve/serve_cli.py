@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dspark_jax.errors import UserError
 from dspark_jax.serve.cli_common import add_model_arguments, load_model
 
 
@@ -51,8 +52,18 @@ def _check(args) -> None:
 
 
 def enable_compile_cache(directory: str) -> None:
-    """Every compiled program (any compile time) is written to and read from `directory`."""
+    """Every compiled program (any compile time) is written to and read from `directory`; one that cannot
+    be made is refused now (JAX would only warn at each compile and serve without the cache)."""
+    import os
+
     import jax
+
+    try:
+        os.makedirs(directory, exist_ok=True)
+        if not os.access(directory, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as err:
+        raise UserError(f"--compile-cache {directory}: cannot use the folder ({err.strerror})") from None
 
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -72,3 +72,11 @@ def test_what_counts_as_a_user_error():
     assert one_line(FileNotFoundError(2, "No such file or directory", "a/b.json")) == \
         "a/b.json: No such file or directory"
     assert os.environ.get("DSPARK_DEBUG") in (None, "", "0")
+
+
+def test_serve_refuses_an_unusable_compile_cache_before_any_work(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    code, err = _run(["serve", "--random-tiny", "--compile-cache", str(blocker / "cache")], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("dspark serve: --compile-cache") and "a_file" in err[0], err
