@@ -228,27 +228,36 @@ def check_cost_table_fits(table: CostTable, slots: int, k: int) -> None:
                         f"step of every slot does not fit): it was measured for a smaller engine; {hint}")
     if covered < largest:
         warnings.warn(f"cost table: max_batch_tokens {covered} < {largest} ({slots} slots x (K + 1)): the scheduler "
-                      f"will verify at most {covered - slots} drafts per round; {hint}", stacklevel=3)
+                      f"will verify at most {covered - slots} drafts per round; {hint}", stacklevel=4)
+
+
+def scheduling_table(model: sr.SpecModel, weights: sr.Weights, config: EngineConfig,
+                     cost_table: CostTable | None) -> CostTable | None:
+    """The cost table the sync / async scheduler runs on: the one given, or one measured now
+    (`profile_on_start`), checked against this engine's size. The other modes schedule without one."""
+    if config.mode not in ("sync", "async"):
+        return cost_table
+    if cost_table is None and config.profile_on_start:
+        from dspark_jax.serve.profile import profile_cost_table
+
+        cost_table = profile_cost_table(model, weights, slots=config.max_slots, max_len=config.max_len,
+                                        progress=config.progress)
+    if cost_table is None:
+        raise ValueError(f"engine mode {config.mode!r} schedules against a measured cost table; none was "
+                         "given. Measure one with `dspark profile`, set EngineConfig(profile_on_start=True), "
+                         "or use mode 'off'.")
+    check_cost_table_fits(cost_table, config.max_slots, model.block_size)
+    return cost_table
 
 
 class Engine:
     def __init__(self, model: sr.SpecModel, weights: sr.Weights, config: EngineConfig = EngineConfig(),
                  cost_table: CostTable | None = None, mesh=None):
-        if config.mode in ("sync", "async") and cost_table is None and config.profile_on_start:
-            from dspark_jax.serve.profile import profile_cost_table
-
-            cost_table = profile_cost_table(model, weights, slots=config.max_slots, max_len=config.max_len,
-                                            progress=config.progress)
-        if config.mode in ("sync", "async") and cost_table is None:
-            raise ValueError(f"engine mode {config.mode!r} schedules against a measured cost table; none was "
-                             "given. Measure one with `dspark profile`, set EngineConfig(profile_on_start=True), "
-                             "or use mode 'off'.")
+        cost_table = scheduling_table(model, weights, config, cost_table)
         if config.mode == "fixed" and not (config.num_verify is not None
                                            and 0 <= config.num_verify <= model.block_size):
             raise ValueError(f"engine mode 'fixed' needs num_verify in [0, {model.block_size}], "
                              f"got {config.num_verify}")
-        if config.mode in ("sync", "async"):
-            check_cost_table_fits(cost_table, config.max_slots, model.block_size)
         self.model, self.weights, self.config, self.cost_table = model, weights, config, cost_table
         self.mesh = mesh
         if mesh is not None:  # parameters by their logical names; the decode state by slot (at allocation)

@@ -62,6 +62,15 @@ def _token_ids(field: str, value, vocab: int, *, allow_empty: bool) -> tuple[int
     return tuple(int(t) for t in ids)
 
 
+def check_filters(top_k, top_p, error=RequestError) -> None:
+    """top_k an integer >= 0, top_p a number in (0, 1]; `error(field, message)` builds what is raised
+    (requests raise RequestError; other callers, e.g. `dspark regenerate`, name their own setting)."""
+    if not _is_int(top_k) or top_k < 0:
+        raise error("top_k", f"expected an integer >= 0 (0 = off), got {top_k!r}")
+    if not _is_real(top_p) or not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise error("top_p", f"expected a number in (0, 1] (1 = off), got {top_p!r}")
+
+
 def check_request(req, *, vocab: int, max_len: int, max_stop_tokens: int):
     """-> a normalised copy of `req`, or RequestError naming the first wrong field."""
     if not isinstance(req, Request):
@@ -74,10 +83,7 @@ def check_request(req, *, vocab: int, max_len: int, max_stop_tokens: int):
         raise RequestError("max_tokens", f"expected an integer >= 1, got {req.max_tokens!r}")
     if not _is_real(req.temperature) or not math.isfinite(req.temperature) or req.temperature < 0:
         raise RequestError("temperature", f"expected a finite number >= 0, got {req.temperature!r}")
-    if not _is_int(req.top_k) or req.top_k < 0:
-        raise RequestError("top_k", f"expected an integer >= 0 (0 = off), got {req.top_k!r}")
-    if not _is_real(req.top_p) or not math.isfinite(req.top_p) or not 0 < req.top_p <= 1:
-        raise RequestError("top_p", f"expected a number in (0, 1] (1 = off), got {req.top_p!r}")
+    check_filters(req.top_k, req.top_p)
     if not _is_int(req.seed) or not 0 <= req.seed < _SEED_LIMIT:
         raise RequestError("seed", f"expected an integer in [0, 2^32), got {req.seed!r}")
     stops = _token_ids("stop_tokens", req.stop_tokens, vocab, allow_empty=True)

@@ -10,6 +10,7 @@ flight finish for up to --grace seconds, exit 0.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from dspark_jax.errors import UserError
@@ -54,16 +55,14 @@ def _check(args) -> None:
 def enable_compile_cache(directory: str) -> None:
     """Every compiled program (any compile time) is written to and read from `directory`; one that cannot
     be made is refused now (JAX would only warn at each compile and serve without the cache)."""
-    import os
-
     import jax
 
     try:
         os.makedirs(directory, exist_ok=True)
-        if not os.access(directory, os.W_OK):
-            raise PermissionError(13, "Permission denied")
     except OSError as err:
-        raise UserError(f"--compile-cache {directory}: cannot use the folder ({err.strerror})") from None
+        raise UserError(f"--compile-cache {directory}: cannot make the folder ({err.strerror})") from None
+    if not os.access(directory, os.W_OK):
+        raise UserError(f"--compile-cache {directory}: the folder is not writable")
 
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

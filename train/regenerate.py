@@ -36,6 +36,7 @@ from typing import Sequence
 import numpy as np
 from tqdm import tqdm
 
+from dspark_jax.serve.request_check import check_filters
 from dspark_jax.train.data import DataError, encode_record, expand_paths
 
 
@@ -59,10 +60,7 @@ class RegenConfig:
                 raise ValueError(f"regenerate {name}: expected an integer >= 1, got {v!r}")
         if not self.temperatures or any(not (np.isfinite(t) and t >= 0) for t in self.temperatures):
             raise ValueError(f"regenerate temperatures: expected finite values >= 0, got {self.temperatures}")
-        if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0):
-            raise ValueError(f"regenerate top_k: expected an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not (np.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            raise ValueError(f"regenerate top_p: expected a number in (0, 1], got {self.top_p!r}")
+        check_filters(self.top_k, self.top_p, error=lambda field, message: ValueError(f"regenerate {field}: {message}"))
         if self.mode not in ("plain", "off", "fixed", "sync", "async"):
             raise ValueError(f"regenerate mode: expected plain, off, fixed, sync or async, got {self.mode!r}")
 
