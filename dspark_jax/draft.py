@@ -71,6 +71,7 @@ class DraftOutput(NamedTuple):
 class Block(nn.Module):
     cfg: DSparkConfig
     impl: str = "auto"
+    fp8_grad: str = "exact"  # gradient through the fp8 roundings (training: "straight_through")
 
     def setup(self):
         c = self.cfg
@@ -79,10 +80,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps, c.param_dtype)
         self.hc_attn = HyperConnection(**hc)
         self.hc_ffn = HyperConnection(**hc)
-        self.attn = WindowAttention(c, impl=self.impl)
+        self.attn = WindowAttention(c, impl=self.impl, fp8_grad=self.fp8_grad)
         self.ffn = MoE(c.dim, c.n_routed_experts, c.n_activated_experts, c.moe_inter_dim, c.n_shared_experts,
                        c.route_scale, c.score_func, c.norm_topk_prob, c.swiglu_limit, c.param_dtype,
-                       c.compute_dtype, c.act_fp8, c.vision)
+                       c.compute_dtype, c.act_fp8, c.vision, self.fp8_grad)
 
     def context_kv(self, main_x: jax.Array, positions: jax.Array) -> jax.Array:
         return self.attn.kv(main_x, positions)
@@ -101,13 +102,14 @@ class Block(nn.Module):
 class DSparkDraft(nn.Module):
     cfg: DSparkConfig
     impl: str = "auto"
+    fp8_grad: str = "exact"  # gradient through the fp8 roundings (training: "straight_through")
 
     def setup(self):
         c = self.cfg
         self.main_proj = Linear(c.main_hidden_dim, c.dim, ("taps_embed", "embed"), c.param_dtype, c.compute_dtype,
-                                c.act_fp8)
+                                c.act_fp8, self.fp8_grad)
         self.main_norm = RMSNorm(c.dim, c.norm_eps, c.param_dtype)
-        self.blocks = [Block(c, self.impl, name=f"blocks_{s}") for s in range(c.n_layers)]
+        self.blocks = [Block(c, self.impl, self.fp8_grad, name=f"blocks_{s}") for s in range(c.n_layers)]
         self.norm = RMSNorm(c.dim, c.norm_eps, c.param_dtype)
         if c.markov_rank:
             self.markov = _MarkovWeights(c.vocab_size, c.markov_rank, c.param_dtype)

@@ -440,31 +440,28 @@ def test_straight_through_fp8_keeps_values_and_passes_gradients():
     from dspark_jax.nn.quant import fp8_quant_dequant
 
     x = jax.random.normal(jax.random.key(0), (2, 64))
-    np.testing.assert_array_equal(M.fp8_straight_through(x), fp8_quant_dequant(x))
+    st = functools.partial(fp8_quant_dequant, grad="straight_through")
+    np.testing.assert_array_equal(st(x), fp8_quant_dequant(x))
     ct = jnp.arange(64.0) * 1e-3
     g_exact = jax.grad(lambda x: jnp.sum(fp8_quant_dequant(x) * ct))(x)
-    g_st = jax.grad(lambda x: jnp.sum(M.fp8_straight_through(x) * ct))(x)
+    g_st = jax.grad(lambda x: jnp.sum(st(x) * ct))(x)
     np.testing.assert_allclose(g_st, jnp.broadcast_to(ct, x.shape))
     # The literal derivative rounds the cotangent to fp8: small cotangents vanish (why the trainer uses ST).
     assert float(jnp.abs(g_exact).max()) == 0.0
-    import dspark_jax.nn.attention as attn
-
-    with M.straight_through_fp8():
-        assert attn.fp8_quant_dequant is M.fp8_straight_through
-    assert attn.fp8_quant_dequant is fp8_quant_dequant
+    with pytest.raises(ValueError, match="fp8 'grad'"):
+        fp8_quant_dequant(x, grad="straight")
     # Through the real draft: the context rows' gradient reaches main_proj only with straight-through.
     params, _ = draft_setup()
     mh = jax.random.normal(jax.random.key(1), (1, 6, TCFG.main_hidden_dim))
     pos = jnp.arange(6)[None]
 
-    def rows_grad():
-        f = lambda p: jnp.sum(draft.DSparkDraft(TCFG, "xla").apply(  # noqa: E731
+    def rows_grad(fp8_grad):
+        f = lambda p: jnp.sum(draft.DSparkDraft(TCFG, "xla", fp8_grad).apply(  # noqa: E731
             {"params": p}, mh, pos, method=draft.DSparkDraft.context_rows) * 1e-3)
         return jax.jit(jax.grad(f))(params)["main_proj"]["kernel"]
 
-    assert float(jnp.abs(rows_grad()).max()) == 0.0
-    with M.straight_through_fp8():
-        assert float(jnp.abs(rows_grad()).max()) > 1e-6
+    assert float(jnp.abs(rows_grad("exact")).max()) == 0.0
+    assert float(jnp.abs(rows_grad("straight_through")).max()) > 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,20 +9,13 @@ anchor then gets the ring the inference draft would hold at that anchor (`anchor
 confidence z_k = w . [h_k ; W1[prev_k]] (pre-norm h, as in inference), optionally with h and W1[prev]
 detached (`detach_conf_inputs`).
 
-fp8 gradients. The V4.1 draft rounds every KV row to fp8 (`kv_fp8`, and activations with `act_fp8`).
-Differentiating through that rounding literally rounds the COTANGENT to fp8 too (the transpose of a
-dtype conversion is a conversion): small cotangents flush to zero and the context path (main_proj,
-wkv) gets almost no gradient. `straight_through_fp8()` swaps in a straight-through version (same
-forward values bit for bit, identity tangent) while the training step is traced. The lasting fix is a
-`jax.custom_jvp` on `dspark_jax.nn.quant.fp8_quant_dequant` itself (reported; not ours to edit).
+fp8 gradients. The V4.1 draft rounds every KV row to fp8 (`kv_fp8`, and activations with `act_fp8`);
+`fp8_grad="straight_through"` (what the trainer passes by default) keeps those forward values and passes
+gradients straight through the rounding (`dspark_jax.nn.quant`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib
-import threading
 from typing import NamedTuple
 
 import jax
@@ -31,50 +24,8 @@ import jax.numpy as jnp
 from dspark_jax.config import DSparkConfig
 from dspark_jax.draft import DSparkDraft, base_logits, confidence_logits
 from dspark_jax.nn.norm import rms_norm
-from dspark_jax.nn.quant import fp8_quant_dequant as _fp8_exact
 from dspark_jax.train.anchors import Blocks, anchor_rings
 from dspark_jax.train.loss import fused_vocab_stats, loss_sums, vocab_stats
-
-# ---------------------------------------------------------------------------------------------------
-# Straight-through fp8 rounding
-# ---------------------------------------------------------------------------------------------------
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def fp8_straight_through(x, block=32, out_dtype=None):
-    """`fp8_quant_dequant` in the forward pass, the identity in the backward pass."""
-    return _fp8_exact(x, block, out_dtype)
-
-
-@fp8_straight_through.defjvp
-def _fp8_st_jvp(block, out_dtype, primals, tangents):
-    (x,), (dx,) = primals, tangents
-    y = _fp8_exact(x, block, out_dtype)
-    return y, dx.astype(y.dtype)
-
-
-_FP8_USERS = ("dspark_jax.nn.attention", "dspark_jax.nn.linear", "dspark_jax.nn.moe")
-_patch_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def straight_through_fp8(enabled: bool = True):
-    """While active (trace the training step inside it), the draft modules' fp8 rounding passes
-    gradients straight through. Forward values are unchanged."""
-    if not enabled:
-        yield
-        return
-    with _patch_lock:
-        mods = [importlib.import_module(m) for m in _FP8_USERS]
-        saved = [m.fp8_quant_dequant for m in mods]
-        try:
-            for m in mods:
-                m.fp8_quant_dequant = fp8_straight_through
-            yield
-        finally:
-            for m, f in zip(mods, saved):
-                m.fp8_quant_dequant = f
-
 
 # ---------------------------------------------------------------------------------------------------
 # Forward
@@ -89,9 +40,11 @@ class DraftActs(NamedTuple):
 
 
 def draft_forward(params: dict, tied: dict, cfg: DSparkConfig, main_hidden: jax.Array, blocks: Blocks,
-                  anchors: jax.Array, *, detach_conf_inputs: bool = False, impl: str = "xla") -> DraftActs:
+                  anchors: jax.Array, *, detach_conf_inputs: bool = False, impl: str = "xla",
+                  fp8_grad: str = "exact") -> DraftActs:
     """main_hidden [B, T, n_taps*D] (backbone taps of every position), blocks from `make_blocks`,
-    anchors i32[B, N] -> DraftActs for the B*N blocks (flattened row-major)."""
+    anchors i32[B, N] -> DraftActs for the B*N blocks (flattened row-major). `fp8_grad`: how gradients
+    cross the fp8 roundings (`nn.quant`; the DeepSpec family has none)."""
     if cfg.family == "qwen3":  # DeepSpec drafts: full context strictly before each anchor (no ring)
         from dspark_jax import deepspec  # noqa: PLC0415
 
@@ -100,7 +53,7 @@ def draft_forward(params: dict, tied: dict, cfg: DSparkConfig, main_hidden: jax.
     b, t, _ = main_hidden.shape
     n, k = blocks.inputs.shape[1:]
     cd = jnp.dtype(cfg.compute_dtype)
-    model = DSparkDraft(cfg, impl)
+    model = DSparkDraft(cfg, impl, fp8_grad)
     seq_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     rows = model.apply({"params": params}, main_hidden.astype(cd), seq_pos, method=DSparkDraft.context_rows)
     ring, ring_len = anchor_rings(rows.astype(cd), anchors, cfg.window)

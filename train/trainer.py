@@ -43,7 +43,7 @@ from dspark_jax.train.anchors import make_blocks
 from dspark_jax.train.config import DistributedConfig, LossConfig, MeshConfig, OptimConfig, RunConfig
 from dspark_jax.train.data import Batches, JsonlStream
 from dspark_jax.train.loss import LossWeights, loss_from_sums, position_weights
-from dspark_jax.train.model import block_loss_sums, draft_forward, straight_through_fp8
+from dspark_jax.train.model import block_loss_sums, draft_forward
 
 
 class TrainState(NamedTuple):
@@ -156,7 +156,7 @@ def micro_loss(spec: StepSpec, params, bb_params, mb: dict, normalizer):
     main_hidden, teacher = jax.lax.stop_gradient(out.taps), jax.lax.stop_gradient(out.logits)
     tied = jax.lax.stop_gradient(backbone.tied(bb_params))
     acts = draft_forward(params, tied, dcfg, main_hidden, blocks, mb["anchors"],
-                         detach_conf_inputs=lc.detach_conf_inputs, impl="xla")
+                         detach_conf_inputs=lc.detach_conf_inputs, impl="xla", fp8_grad=lc.fp8_grad)
     sums = block_loss_sums(params, tied, dcfg, acts, teacher, blocks, decay_gamma=lc.decay_gamma,
                            vocab_chunk=lc.vocab_chunk, fused=lc.fused)
     loss = (lc.ce_weight * sums["ce"] + lc.l1_weight * sums["l1"] + lc.conf_weight * sums["conf"]) / normalizer
@@ -238,10 +238,8 @@ def compile_step(spec: StepSpec) -> CompiledStep:
                                 with_sh(abstract_opt, opt_sh))
     jitted = jax.jit(step, in_shardings=(state_sh, bb_sh, batch_sh), out_shardings=(state_sh, rep),
                      donate_argnums=(0,))
-    # Trace under the straight-through fp8 patch (it only changes gradients; see train/model.py).
-    with straight_through_fp8(spec.loss.fp8_grad == "straight_through"):
-        compiled = jitted.lower(abstract_state, with_sh(backbone.abstract_params(), bb_sh), abstract_batch).compile(
-            dict(spec.compiler_options) or None)
+    compiled = jitted.lower(abstract_state, with_sh(backbone.abstract_params(), bb_sh), abstract_batch).compile(
+        dict(spec.compiler_options) or None)
     return CompiledStep(compiled, tx, state_sh, bb_sh, batch_sh)
 
 
@@ -316,7 +314,7 @@ class Trainer:
         if is_orbax_checkpoint(spec.params):
             return restore_params(spec.params, self.compiled.backbone_shardings)
         if spec.family == "qwen3":
-            from dspark_jax.backbones.qwen3 import load_qwen3_hf  # noqa: PLC0415
+            from dspark_jax.checkpoint.qwen3_hf import load_qwen3_hf  # noqa: PLC0415
 
             _, params = load_qwen3_hf(spec.params)
             return params

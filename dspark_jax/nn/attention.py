@@ -31,10 +31,12 @@ def grouped_out_proj(o: jax.Array, wo_a: jax.Array, compute_dtype) -> jax.Array:
 class WindowAttention(nn.Module):
     cfg: "DSparkConfig"  # noqa: F821
     impl: str = "auto"
+    fp8_grad: str = "exact"  # gradient through the KV / activation fp8 rounding (nn.quant)
 
     def setup(self):
         c = self.cfg
-        lin = dict(param_dtype=c.param_dtype, compute_dtype=c.compute_dtype, act_fp8=c.act_fp8)
+        lin = dict(param_dtype=c.param_dtype, compute_dtype=c.compute_dtype, act_fp8=c.act_fp8,
+                   fp8_grad=self.fp8_grad)
         self.wq_a = Linear(c.dim, c.q_lora_rank, ("embed", "q_lora"), **lin)
         self.q_norm = RMSNorm(c.q_lora_rank, c.norm_eps, c.param_dtype)
         self.wq_b = Linear(c.q_lora_rank, c.n_heads * c.head_dim, ("q_lora", "heads"), **lin)
@@ -49,7 +51,7 @@ class WindowAttention(nn.Module):
         return apply_rope_interleaved(x, positions, theta=c.rope_theta, rope_dim=c.rope_head_dim, inverse=inverse)
 
     def _kv_round(self, kv):
-        return fp8_quant_dequant(kv) if self.cfg.kv_fp8 else kv
+        return fp8_quant_dequant(kv, grad=self.fp8_grad) if self.cfg.kv_fp8 else kv
 
     def kv(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """The latent KV row of each token: fp8-rounded rope(kv_norm(wkv(x)), pos). [.., T, D] -> [.., T, hd]."""

@@ -33,17 +33,18 @@ def mixed_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     return jax.lax.platform_dependent(a, b, cpu=widened, default=native)
 
 
-def linear(x: jax.Array, kernel: jax.Array, compute_dtype, act_fp8: bool = False) -> jax.Array:
+def linear(x: jax.Array, kernel: jax.Array, compute_dtype, act_fp8: bool = False, fp8_grad: str = "exact"
+           ) -> jax.Array:
     """x [.., in] @ kernel [in, out] -> [.., out] in `compute_dtype`: f32 accumulation, one rounding of
     the output (SPEC 2.9: every linear returns bf16 in bf16 compute). `act_fp8` first rounds the input
     to E4M3 per 32 values along `in`, as the official fp8 GEMMs do; the fp8 values and their power-of-two
     scales are exact in bf16, so the widened product equals the blockwise fp8 GEMM up to f32 summation
     order. `kernel` may be a packed fp8 / fp4 kernel (`nn.packed`): it is dequantised here, exactly, as
-    a temporary of this product."""
+    a temporary of this product. `fp8_grad` is how gradients cross that rounding (`nn.quant`)."""
     cd = jnp.dtype(compute_dtype)
     x = x.astype(cd)
     if act_fp8:
-        x = fp8_quant_dequant(x)
+        x = fp8_quant_dequant(x, grad=fp8_grad)
     return mixed_einsum("...i,io->...o", x, as_compute(kernel, cd)).astype(cd)
 
 
@@ -54,9 +55,10 @@ class Linear(nn.Module):
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     act_fp8: bool = False  # quantize the input to fp8 per 32 values first, as the official fp8 GEMMs do
+    fp8_grad: str = "exact"  # gradient through that rounding: "exact" | "straight_through" (nn.quant)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = param(self, "kernel", fan_in_normal(self.in_dim), (self.in_dim, self.out_dim),
                        self.param_dtype, self.axes)
-        return linear(x, kernel, self.compute_dtype, self.act_fp8)
+        return linear(x, kernel, self.compute_dtype, self.act_fp8, self.fp8_grad)

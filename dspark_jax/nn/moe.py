@@ -56,36 +56,38 @@ def clamped_swiglu(g: jax.Array, u: jax.Array, limit: float) -> jax.Array:
     return jax.nn.silu(g) * u
 
 
-def _act(x, act_fp8):
-    return fp8_quant_dequant(x) if act_fp8 else x
+def _act(x, act_fp8, fp8_grad):
+    """The official activation fp8 rounding before an fp8/fp4 GEMM, when emulated (`act_fp8`)."""
+    return fp8_quant_dequant(x, grad=fp8_grad) if act_fp8 else x
 
 
-def _expert_hidden(x: jax.Array, w1: jax.Array, w3: jax.Array, spec: str, limit: float, act_fp8: bool) -> jax.Array:
+def _expert_hidden(x: jax.Array, w1: jax.Array, w3: jax.Array, spec: str, limit: float, act_fp8: bool,
+                   fp8_grad: str) -> jax.Array:
     """swiglu(w1 x, w3 x) in f32 from the bf16 outputs of the two linears (SPEC 2.9)."""
     cd = w1.dtype
-    xa = _act(x.astype(cd), act_fp8)
+    xa = _act(x.astype(cd), act_fp8, fp8_grad)
     g = mixed_einsum(spec, xa, w1).astype(cd)
     u = mixed_einsum(spec, xa, w3).astype(cd)
     return clamped_swiglu(g, u, limit)
 
 
 def swiglu_mlp(x: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array, *, limit: float,
-               weight: jax.Array | None = None, act_fp8: bool = False) -> jax.Array:
+               weight: jax.Array | None = None, act_fp8: bool = False, fp8_grad: str = "exact") -> jax.Array:
     """One expert (or the shared expert): w2(weight * swiglu(w1 x, w3 x)), in the weights' dtype.
 
     The official rounding points: bf16 outputs of w1 and w3, the clamps, silu, product and routing
     weight in f32, one cast to bf16 (then fp8 in fp8 mode) before w2, a bf16 output.
     """
     cd = w1.dtype
-    h = _expert_hidden(x, w1, w3, "...d,di->...i", limit, act_fp8)
+    h = _expert_hidden(x, w1, w3, "...d,di->...i", limit, act_fp8, fp8_grad)
     if weight is not None:  # routing weight is applied BEFORE w2, as the reference does
         h = h * weight[..., None]
-    h = _act(h.astype(cd), act_fp8)
+    h = _act(h.astype(cd), act_fp8, fp8_grad)
     return mixed_einsum("...i,id->...d", h, w2).astype(cd)
 
 
 def moe_ffn(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: dict, shared: dict | None, *,
-            limit: float, act_fp8: bool = False) -> jax.Array:
+            limit: float, act_fp8: bool = False, fp8_grad: str = "exact") -> jax.Array:
     """x [N, D], routing (weights, idx) [N, k], experts {w1,w3: [E, D, I], w2: [E, I, D]} -> [N, D] in the
     experts' dtype.
 
@@ -98,12 +100,13 @@ def moe_ffn(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: dict, sha
     n_experts = experts["w1"].shape[0]
     combine = jnp.sum(jax.nn.one_hot(idx, n_experts, dtype=jnp.float32) * weights[..., None], axis=-2)  # [N, E]
     cd = experts["w1"].dtype
-    h = _expert_hidden(x, experts["w1"], experts["w3"], "nd,edi->nei", limit, act_fp8) * combine[..., None]
-    h = _act(h.astype(cd), act_fp8)
+    h = _expert_hidden(x, experts["w1"], experts["w3"], "nd,edi->nei", limit, act_fp8, fp8_grad) * combine[..., None]
+    h = _act(h.astype(cd), act_fp8, fp8_grad)
     per_expert = mixed_einsum("nei,eid->ned", h, experts["w2"]).astype(cd)  # [N, E, D]
     y = jnp.sum(per_expert.astype(jnp.float32), axis=1)
     if shared is not None:
-        y = y + swiglu_mlp(x, shared["w1"], shared["w3"], shared["w2"], limit=limit, act_fp8=act_fp8).astype(jnp.float32)
+        y = y + swiglu_mlp(x, shared["w1"], shared["w3"], shared["w2"], limit=limit, act_fp8=act_fp8,
+                           fp8_grad=fp8_grad).astype(jnp.float32)
     return y.astype(cd)
 
 
@@ -121,6 +124,7 @@ class MoE(nn.Module):
     compute_dtype: str = "float32"
     act_fp8: bool = False
     vision: bool = False  # the router has `bias_vl` (models with a vision tower)
+    fp8_grad: str = "exact"  # gradient through the activation fp8 rounding (nn.quant)
 
     def setup(self):
         d, e, i = self.dim, self.n_experts, self.inter_dim
@@ -139,7 +143,8 @@ class MoE(nn.Module):
         # Packed (fp8 / fp4) weights are dequantised here, inside the computation (`nn.packed`).
         experts = {k: as_compute(v, cd) for k, v in self.experts().items()}
         shared = {k: as_compute(v, cd) for k, v in self.shared().items()} if self.n_shared else None
-        y = moe_ffn(flat, weights, idx, experts, shared, limit=self.swiglu_limit, act_fp8=self.act_fp8)
+        y = moe_ffn(flat, weights, idx, experts, shared, limit=self.swiglu_limit, act_fp8=self.act_fp8,
+                    fp8_grad=self.fp8_grad)
         return y.astype(cd).reshape(*lead, self.dim)
 
 
