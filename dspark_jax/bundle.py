@@ -1,7 +1,7 @@
 """A model bundle: everything `dspark generate` / `dspark demo` need, in one folder.
 
     bundle.json            {"backbone": {"family": "mhc"|"qwen3", "config": {...}},
-                            "draft": {...DSparkConfig...}, "tap_mode": "entry"|"output"}
+                            "draft": {...draft config, any family...}, "tap_mode": "entry"|"output"}
     backbone.safetensors   the backbone's param tree, keys joined with "."
     draft.safetensors      the draft's param tree (docs/params.md), keys joined with "."
     calibration.json       optional STS temperatures (dspark calibrate)
@@ -23,19 +23,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax import draft as draft_lib
+from dspark_jax import drafts
 from dspark_jax import spec_round as sr
+from dspark_jax.backbones.mhc import MhcBackbone, MhcConfig
+from dspark_jax.backbones.qwen3 import Qwen3Backbone, Qwen3Config
 from dspark_jax.calibration import Calibration
-from dspark_jax.checkpoint.safetensors_io import CheckpointError, open_checkpoint, save_file
-from dspark_jax.config import DSparkConfig
+from dspark_jax.checkpoint.safetensors_io import open_checkpoint, save_file, stored_shape
+from dspark_jax.checkpoint.trees import check_tree
 from dspark_jax.errors import UserError, read_json_file
 from dspark_jax.schedule import CostTable
 
 
 def backbone_families():
-    from dspark_jax.backbones.mhc import MhcBackbone, MhcConfig
-    from dspark_jax.backbones.qwen3 import Qwen3Backbone, Qwen3Config
-
     return {
         "mhc": (MhcBackbone, MhcConfig.from_dict, lambda c: c.to_dict()),
         "qwen3": (Qwen3Backbone, Qwen3Config.from_hf_dict, lambda c: c.to_hf_dict()),
@@ -62,21 +61,12 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def unflatten_strict(flat_reader, abstract: dict, what: str) -> dict:
-    """Read every leaf of `abstract` from the reader by its dotted name; names and shapes must match."""
+    """Read every leaf of `abstract` from the reader by its dotted name; names and shapes must match
+    (`check_tree`, before anything is read); each leaf is cast to the abstract leaf's dtype."""
     want = flatten(abstract)
-    have = set(flat_reader.names)
-    missing = sorted(set(want) - have)
-    extra = sorted(have - set(want))
-    if missing:
-        raise CheckpointError(f"{what}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    if extra:
-        raise CheckpointError(f"{what}: unexpected tensor(s) {extra[:5]}{' ...' if len(extra) > 5 else ''}")
-    flat = {}
-    for name, spec in want.items():
-        arr = flat_reader.read(name)
-        if tuple(arr.shape) != tuple(spec.shape):
-            raise CheckpointError(f"{what}: tensor '{name}' has shape {tuple(arr.shape)}, expected {tuple(spec.shape)}")
-        flat[name] = jnp.asarray(arr, spec.dtype)
+    infos = {n: flat_reader.info(n) for n in flat_reader.names}
+    check_tree({n: stored_shape(i.dtype, i.shape) for n, i in infos.items()}, want, what)
+    flat = {name: jnp.asarray(flat_reader.read(name), spec.dtype) for name, spec in want.items()}
     out: dict = {}
     for name, arr in flat.items():
         node = out
@@ -98,7 +88,7 @@ class Bundle:
     path: Path | None = None
 
 
-def save_bundle(path, *, backbone_family: str, backbone, backbone_params, draft_cfg: DSparkConfig, draft_params,
+def save_bundle(path, *, backbone_family: str, backbone, backbone_params, draft_cfg, draft_params,
                 tap_mode: str | None = None, calibration: Calibration | None = None,
                 cost_table: CostTable | None = None, tokenizer_json: str | None = None) -> Path:
     path = Path(path)
@@ -138,12 +128,12 @@ def load_bundle(path, *, impl: str = "auto") -> Bundle:
     except ValueError as err:
         raise UserError(f"{meta_path} 'backbone': {err}") from None
     try:
-        cfg = DSparkConfig.from_dict(meta["draft"])
+        cfg = drafts.config_from_dict(meta["draft"])
     except ValueError as err:
         raise UserError(f"{meta_path} 'draft': {err}") from None
     bparams = unflatten_strict(open_checkpoint(path / "backbone.safetensors"), backbone.abstract_params(),
                                f"{path / 'backbone.safetensors'}")
-    dparams = unflatten_strict(open_checkpoint(path / "draft.safetensors"), draft_lib.abstract_params(cfg),
+    dparams = unflatten_strict(open_checkpoint(path / "draft.safetensors"), drafts.abstract_params(cfg),
                                f"{path / 'draft.safetensors'}")
     calibration = _calibration(path / "calibration.json", cfg.block_size)
     table = CostTable.from_json(path / "cost_table.json") if (path / "cost_table.json").is_file() else None
@@ -168,7 +158,7 @@ def _calibration(path: Path, block_size: int) -> Calibration | None:
 def _tokenizer(path: Path, vocab_size: int):
     if not path.is_file():
         return None
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # noqa: PLC0415  (only for a bundle with a tokenizer.json)
 
     try:
         tokenizer = Tokenizer.from_file(str(path))
@@ -186,9 +176,9 @@ def random_bundle(backbone_config_path, draft_config_path, *, family: str = "mhc
     Cached: the same arguments give the same (hashable) model, so compiled programs are reused."""
     raw = json.loads(Path(backbone_config_path).read_text())
     backbone = make_backbone(family, raw)
-    cfg = DSparkConfig.from_json(draft_config_path)
+    cfg = drafts.load_config(draft_config_path)
     k1, k2 = jax.random.split(jax.random.key(seed))
     bparams = backbone.init_params(k1)
-    dparams = draft_lib.init_params(cfg, k2)
+    dparams = drafts.init_params(cfg, k2)
     model = sr.SpecModel(backbone, cfg)
     return Bundle(model, sr.Weights(bparams, dparams, backbone.tied(bparams), jnp.ones(cfg.block_size)), family)

@@ -26,6 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_jax import configs
+from dspark_jax.acceptance_report import MIN_PLOT_ROUNDS, acceptance_bars, fmt_acc, fmt_counts
+
+# bundle, evaluation and serve.* import jax: they are imported inside the functions that run the demo, so
+# `dspark demo --help` and its argument errors answer without importing jax.
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle", default=None, help="bundle folder (default: the embedded default model)")
@@ -45,14 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args):
-    from dspark_jax.bench.acceptance import default_dir, missing_default_message
-    from dspark_jax.bundle import load_bundle, random_bundle
+    from dspark_jax.bundle import load_bundle, random_bundle  # noqa: PLC0415  (jax)
+    from dspark_jax.evaluation import default_dir, missing_default_message  # noqa: PLC0415  (jax)
 
     if args.random_tiny:
-        configs = Path(__file__).resolve().parents[1] / "configs"
         print("NOTE: --random-tiny: random weights on the tiny configs; acceptance, speed-up and text are "
               "meaningless (a plumbing check).")
-        return random_bundle(configs / "tiny_mhc_backbone.json", configs / "tiny_v41.json"), None
+        return random_bundle(configs.path("tiny_mhc_backbone.json"), configs.path("tiny_v41.json")), None
     path = args.bundle or default_dir()
     if path is None:
         print(missing_default_message("dspark demo"), file=sys.stderr)
@@ -61,7 +66,7 @@ def _load(args):
 
 
 def _prompts(args, bundle, path):
-    from dspark_jax.bench.acceptance import read_prompts
+    from dspark_jax.evaluation import read_prompts  # noqa: PLC0415  (jax)
 
     if args.random_tiny:
         rng = np.random.default_rng(0)
@@ -87,8 +92,9 @@ def best_of_runs(engines: dict, reqs, timed_generate, runs: int = RUNS) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark_jax.bench.acceptance import fmt_acc, fmt_counts, make_requests, timed_generate
-    from dspark_jax.serve.engine import Engine, EngineConfig
+    from dspark_jax.evaluation import make_requests, timed_generate  # noqa: PLC0415  (jax)
+    from dspark_jax.serve.engine import Engine, EngineConfig  # noqa: PLC0415  (jax)
+    from dspark_jax.serve.profile import cached_cost_table  # noqa: PLC0415  (jax)
 
     t_start = time.perf_counter()
     bundle, path = _load(args)
@@ -108,8 +114,6 @@ def run(args: argparse.Namespace) -> int:
           + f", scheduled (async); each timed {RUNS} times round-robin, best kept", flush=True)
 
     progress = not args.no_progress
-    from dspark_jax.serve.profile import cached_cost_table
-
     base = dict(max_slots=slots, max_len=args.max_len, progress=progress)
     table, where_table = cached_cost_table(bundle, slots=slots, max_len=args.max_len, progress=progress)
     print(f"cost table: {where_table}", flush=True)
@@ -167,12 +171,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plot(runs, k, path) -> None:
-    import matplotlib
-
-    from dspark_jax.bench.acceptance import MIN_PLOT_ROUNDS, acceptance_bars
+    import matplotlib  # noqa: PLC0415  (heavy; only with --plot)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     width = 0.8 / max(len(runs), 1)

@@ -12,31 +12,31 @@ interpret mode.
     pair = flash_pair("pallas")                            # V4.1-Flash draft + an mhc backbone at dim 5120
     for name, exported in lower_serving_programs(pair, mesh, platform="tpu").items(): ...
 
-`dspark bench memory` reads the byte counts off these programs; `tests/test_tpu_export.py` checks them.
+`dspark bench memory` reads the byte counts off these programs; `tests/test_lowering.py` checks them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
-from dspark_jax import draft as draft_lib
+from dspark_jax import configs
+from dspark_jax import drafts
 from dspark_jax import sampling
 from dspark_jax import spec_round as sr
 from dspark_jax.backbones.mhc import MhcBackbone, MhcConfig
-from dspark_jax.config import DSparkConfig
+from dspark_jax.drafts.v41.config import DSparkConfig
 from dspark_jax.kernels._common import for_platform
 from dspark_jax.parallel import MESH_AXES
 from dspark_jax.schedule import CostTable
 from dspark_jax.serve import decode_state as ds
 from dspark_jax.verify import verify_and_accept
 
-FLASH_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "deepseek_v41_flash.json"
+FLASH_CONFIG = configs.path("deepseek_v41_flash.json")
 MODES = ("fixed", "sync", "async")  # "off", "fixed" and the async probes all run the "fixed" program
 
 
@@ -79,7 +79,7 @@ def flash_pair(impl: str = "auto", *, cfg: DSparkConfig | None = None, draft_par
     bb = flash_backbone(cfg)
     model = sr.SpecModel(bb, cfg, impl=impl)
     backbone = bb.abstract_params()
-    weights = sr.Weights(backbone, draft_params if draft_params is not None else draft_lib.abstract_params(cfg),
+    weights = sr.Weights(backbone, draft_params if draft_params is not None else drafts.abstract_params(cfg),
                          jax.eval_shape(bb.tied, backbone), jax.ShapeDtypeStruct((cfg.block_size,), jnp.float32))
     return Pair(model, weights, slots=slots, max_len=max_len)
 
@@ -143,7 +143,7 @@ def serving_programs(pair: Pair, mesh) -> dict:
 
 
 def _propose(model, weights, dstate, anchor, params, seeds):
-    return draft_lib.propose(weights.draft, weights.tied, model.cfg, dstate, anchor, params, seeds, impl=model.impl,
+    return drafts.propose(weights.draft, weights.tied, model.cfg, dstate, anchor, params, seeds, impl=model.impl,
                              filtering=False)
 
 

@@ -22,10 +22,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dspark_jax import draft as draft_lib
-from dspark_jax import sampling
+from dspark_jax import drafts, sampling
 from dspark_jax.backbones.base import Backbone
-from dspark_jax.config import DSparkConfig
 from dspark_jax.schedule import CostTable, schedule_async, schedule_sync
 from dspark_jax.verify import verify_and_accept
 
@@ -37,7 +35,7 @@ class SpecModel:
     """The static half of a speculative pair (hashable: a jit static argument)."""
 
     backbone: Backbone
-    cfg: DSparkConfig  # any draft family's config (DSparkConfig, deepspec.DeepSpecConfig)
+    cfg: Any  # any draft family's config (`dspark_jax.drafts`)
     # Which backbone taps the draft reads; None = the draft family's own (`cfg.tap_mode`: V4.1 reads layer
     # entries, DeepSpec layer outputs). An explicit value must agree with the family.
     tap_mode: str | None = None
@@ -47,7 +45,7 @@ class SpecModel:
     propose_fn: Callable | None = None
 
     def __post_init__(self):
-        family_mode = self.cfg.tap_mode
+        family_mode = drafts.family_of(self.cfg).tap_mode
         if self.tap_mode is None:
             object.__setattr__(self, "tap_mode", family_mode)
         elif self.tap_mode != family_mode:
@@ -68,7 +66,7 @@ class Weights(NamedTuple):
 
 class RoundState(NamedTuple):
     cache: Any  # backbone KV cache (committed length per row)
-    draft: draft_lib.DraftState  # (or the draft family's state, e.g. deepspec.DeepSpecState)
+    draft: Any  # the draft family's inference state (a NamedTuple with `length`)
     anchor: jax.Array  # i32[B] the last emitted token, not yet processed by the backbone
     conf_lag: jax.Array  # f32[2, B, K] calibrated confidences of the previous two rounds (async)
 
@@ -84,7 +82,7 @@ class RoundOutput(NamedTuple):
 
 def init_state(model: SpecModel, batch: int, max_len: int) -> RoundState:
     k = model.block_size
-    return RoundState(model.backbone.init_cache(batch, max_len), draft_lib.init_state(model.cfg, batch, max_len),
+    return RoundState(model.backbone.init_cache(batch, max_len), drafts.init_state(model.cfg, batch, max_len),
                       jnp.zeros((batch,), jnp.int32), jnp.zeros((2, batch, k), jnp.float32))
 
 
@@ -100,11 +98,11 @@ def start(model: SpecModel, weights: Weights, state: RoundState, prompt: jax.Arr
     token. Other rows keep their state (the forward writes past their committed length, which is never
     visible)."""
     cache = state.cache._replace(length=jnp.where(joining, 0, state.cache.length))
-    dstate = draft_lib.reset_rows(state.draft, joining)
+    dstate = drafts.reset_rows(state.draft, joining)
     out = backbone_forward(model, weights.backbone, cache, prompt)
     n = jnp.where(joining, prompt_len, 0).astype(jnp.int32)
     cache = model.backbone.commit(out.cache, n)
-    dstate = draft_lib.ingest(weights.draft, model.cfg, dstate, out.taps, n, impl=model.impl)
+    dstate = drafts.ingest(weights.draft, model.cfg, dstate, out.taps, n, impl=model.impl)
     last = jnp.take_along_axis(out.logits, jnp.maximum(prompt_len - 1, 0)[:, None, None], axis=1)[:, 0]
     first = sampling.sample(last, params, seeds, prompt_len, sampling.Stream.RESAMPLE)
     anchor = jnp.where(joining, first, state.anchor)
@@ -113,8 +111,8 @@ def start(model: SpecModel, weights: Weights, state: RoundState, prompt: jax.Arr
 
 
 def draft_propose(model: SpecModel, weights: Weights, state: RoundState, params: sampling.SamplingParams,
-                  seeds: jax.Array, filtering: bool) -> draft_lib.DraftOutput:
-    return draft_lib.propose(weights.draft, weights.tied, model.cfg, state.draft, state.anchor, params, seeds,
+                  seeds: jax.Array, filtering: bool) -> drafts.DraftOutput:
+    return drafts.propose(weights.draft, weights.tied, model.cfg, state.draft, state.anchor, params, seeds,
                              impl=model.impl, filtering=filtering)
 
 
@@ -165,7 +163,7 @@ def spec_round(model: SpecModel, weights: Weights, state: RoundState, params: sa
 
     n_commit = jnp.where(active, res.num_accepted + 1, 0)  # the anchor and the accepted drafts
     cache = model.backbone.commit(bo.cache, n_commit)
-    dstate = draft_lib.ingest(weights.draft, model.cfg, state.draft, bo.taps, n_commit, impl=model.impl)
+    dstate = drafts.ingest(weights.draft, model.cfg, state.draft, bo.taps, n_commit, impl=model.impl)
     emitted_last = jnp.take_along_axis(res.tokens, res.num_accepted[:, None], axis=1)[:, 0]
     anchor = jnp.where(active, emitted_last, state.anchor)
     conf_lag = jnp.stack([jnp.where(active[:, None], conf, 0.0), state.conf_lag[0]])

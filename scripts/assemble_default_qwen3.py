@@ -64,11 +64,12 @@ def to_bf16_in_place(path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    from dspark_jax.backbones.qwen3 import Qwen3Backbone, load_qwen3_hf
+    from dspark_jax.backbones.qwen3 import Qwen3Backbone
     from dspark_jax.checkpoint.deepspec import export_deepspec_draft
+    from dspark_jax.checkpoint.qwen3_hf import load_qwen3_hf
     from dspark_jax.checkpoint.trees import flatten_paths
     from dspark_jax.cli import main as dspark
-    from dspark_jax.config import DSparkConfig
+    from dspark_jax import drafts
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", default="build/default_qwen3")
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
         return 0
 
     step, params = latest_params(build / "draft")
-    cfg = DSparkConfig.from_json(ROOT / args.draft_config)
+    cfg = drafts.load_config(ROOT / args.draft_config)
     bcfg, bparams = load_qwen3_hf(build / "backbone")
     tied = {k: np.asarray(v) for k, v in Qwen3Backbone(bcfg).tied(bparams).items()}
     export_deepspec_draft(params, tied, cfg, build / "draft_deepspec", dtype="BF16")

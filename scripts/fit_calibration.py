@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv=None) -> int:
-    from dspark_jax.bench.acceptance import load_variant, make_requests, read_prompts, recording_engine, with_temperatures
     from dspark_jax.bundle import load_bundle
     from dspark_jax.calibration import fit_sts
+    from dspark_jax.evaluation import load_variant, make_requests, read_prompts, recording_engine, with_temperatures
     from dspark_jax.serve.engine import EngineConfig
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -23,8 +23,8 @@ import numpy as np
 def main(argv=None) -> int:
     from dspark_jax import sampling
     from dspark_jax import spec_round as sr
-    from dspark_jax.bench.acceptance import make_requests, read_prompts
     from dspark_jax.bundle import load_bundle
+    from dspark_jax.evaluation import make_requests, read_prompts
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", default="dspark_jax/assets/default")

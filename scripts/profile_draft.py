@@ -34,7 +34,7 @@ def _time_ms(fn, repeats: int) -> tuple[float, float]:
 
 def profile(b, batch: int, temperatures: list[str], filtering: bool, repeats: int, hlo: str | None):
     """-> [(temperature, {column: (median, min) ms})] for one bundle at one batch."""
-    from dspark_jax import draft as draft_lib
+    from dspark_jax import drafts
     from dspark_jax import heads, sampling
     from dspark_jax import spec_round as sr
 
@@ -48,9 +48,9 @@ def profile(b, batch: int, temperatures: list[str], filtering: bool, repeats: in
     cfg = model.cfg
     k = model.block_size
 
-    prop = jax.jit(lambda w, s, p: draft_lib.propose(w.draft, w.tied, cfg, s.draft, s.anchor, p, seeds,
+    prop = jax.jit(lambda w, s, p: drafts.propose(w.draft, w.tied, cfg, s.draft, s.anchor, p, seeds,
                                                      impl=model.impl, filtering=filtering))
-    hid = jax.jit(lambda w, s: draft_lib.draft_hidden(w.draft, w.tied, cfg, s.draft, s.anchor, impl=model.impl))
+    hid = jax.jit(lambda w, s: drafts.family_of(cfg).draft_hidden(w.draft, w.tied, cfg, s.draft, s.anchor, impl=model.impl))
     _, base = hid(weights, state)
     markov = weights.draft.get("markov")
     w1 = None if markov is None else markov["embed"]

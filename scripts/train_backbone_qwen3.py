@@ -5,7 +5,7 @@ Face layout (config.json + bf16 model.safetensors, `model.*` names), the way a r
 The training loop, data, batching and schedule are scripts/train_backbone.py's (imported: random
 windows of the flat token stream `train.bin`, linear warmup then cosine to 10% of the peak driven by
 max(step / steps, elapsed / budget), held-out loss every --eval-every); the model is `Qwen3Backbone` and
-the checkpoint is written with `save_qwen3_hf` (the inverse of `dspark_jax.backbones.qwen3.hf_layer_map`).
+the checkpoint is written with `save_qwen3_hf` (the inverse of `dspark_jax.checkpoint.qwen3_hf.hf_layer_map`).
 The weights are rounded to bf16 when saved, and that bf16 model is the target everything later trains
 and measures against.
 
@@ -26,7 +26,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_backbone import arg_parser, train_lm  # noqa: E402  (the mhc trainer's loop, data and schedule)
 
-from dspark_jax.backbones.qwen3 import Qwen3Backbone, Qwen3Config, hf_layer_map  # noqa: E402
+from dspark_jax.backbones.qwen3 import Qwen3Backbone, Qwen3Config  # noqa: E402
+from dspark_jax.checkpoint.qwen3_hf import hf_layer_map  # noqa: E402
 from dspark_jax.checkpoint.safetensors_io import save_file  # noqa: E402
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dspark_jax import assets
+from dspark_jax import configs
 from dspark_jax.errors import UserError
-
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,17 +19,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def default_bundle_path() -> Path | None:
-    from dspark_jax import assets
-
     return assets.default_bundle_path()
 
 
 def load_model(args):
-    from dspark_jax.bundle import load_bundle, random_bundle
+    # bundle imports jax; the serving subcommands import this module to parse their arguments
+    from dspark_jax.bundle import load_bundle, random_bundle  # noqa: PLC0415  (jax)
 
     if args.random_tiny:
         print("NOTE: random weights on the tiny configs: acceptance and text are meaningless.")
-        return random_bundle(CONFIGS / "tiny_mhc_backbone.json", CONFIGS / "tiny_v41.json")
+        return random_bundle(configs.path("tiny_mhc_backbone.json"), configs.path("tiny_v41.json"))
     path = args.bundle or default_bundle_path()
     if path is None:
         raise UserError("no model: pass --bundle DIR (or --random-tiny for a plumbing check)")

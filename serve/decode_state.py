@@ -32,10 +32,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from dspark_jax import draft as draft_lib
+from dspark_jax import drafts
 from dspark_jax import sampling
 from dspark_jax import spec_round as sr
+from dspark_jax.parallel import batch_sharding, fit_shardings, logical_shardings
 from dspark_jax.schedule import CostTable, async_capacity, static_budget_tokens, survival
 
 # finish codes (Delta.finish)
@@ -205,7 +207,7 @@ def admit(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, joining:
     out = sr.backbone_forward(model, weights.backbone, sub.cache, joining.prompt,
                               logits_at=jnp.maximum(joining.prompt_len - 1, 0))
     cache = model.backbone.commit(out.cache, joining.prompt_len)
-    dstate = draft_lib.ingest(weights.draft, model.cfg, sub.draft, out.taps, joining.prompt_len, impl=model.impl)
+    dstate = drafts.ingest(weights.draft, model.cfg, sub.draft, out.taps, joining.prompt_len, impl=model.impl)
     first = sampling.sample(out.logits[:, 0], joining.params, joining.seeds, joining.prompt_len,
                             sampling.Stream.RESAMPLE)
     rs = _scatter_rows(state.round, sr.RoundState(cache, dstate, first, sub.conf_lag), joining.slot,
@@ -306,7 +308,7 @@ def plain_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, *,
             state = state._replace(deferred=Deferred(buf.taps.at[rows, at].set(bo.taps[:, 0], mode="drop"),
                                                      buf.count + n))
         else:
-            rs = rs._replace(draft=draft_lib.ingest(weights.draft, model.cfg, rs.draft, bo.taps, n,
+            rs = rs._replace(draft=drafts.ingest(weights.draft, model.cfg, rs.draft, bo.taps, n,
                                                     impl=model.impl))
     else:
         bo = model.backbone.forward(weights.backbone, rs.cache, rs.anchor[:, None])
@@ -326,7 +328,7 @@ def catch_up(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, *, wi
     (static, default the whole buffer) bounds every row's count: only that many buffer rows are read."""
     buf = state.deferred
     taps = buf.taps if width is None else buf.taps[:, :width]
-    draft = draft_lib.ingest(weights.draft, model.cfg, state.round.draft, taps, buf.count, impl=model.impl)
+    draft = drafts.ingest(weights.draft, model.cfg, state.round.draft, taps, buf.count, impl=model.impl)
     return state._replace(round=state.round._replace(draft=draft),
                           deferred=buf._replace(count=jnp.zeros_like(buf.count)))
 
@@ -408,14 +410,10 @@ def weight_shardings(model: sr.SpecModel, weights: sr.Weights, mesh):
     """NamedShardings of a speculative pair's weights on `mesh`: the backbone's and the draft's by their
     logical axis names (the draft's experts over `expert`, ...; see dspark_jax.parallel), the tied
     embedding / head and the STS temperatures replicated."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from dspark_jax.parallel import fit_shardings, logical_shardings
-
     bb = model.backbone
     replicated = NamedSharding(mesh, PartitionSpec())
     return sr.Weights(fit_shardings(logical_shardings(bb.logical_axes(), mesh), bb.abstract_params()),
-                      draft_lib.param_shardings(model.cfg, mesh, weights.draft),  # packed nodes too
+                      drafts.param_shardings(model.cfg, mesh, weights.draft),  # packed nodes too
                       jax.tree.map(lambda _: replicated, weights.tied),
                       replicated)
 
@@ -423,10 +421,6 @@ def weight_shardings(model: sr.SpecModel, weights: sr.Weights, mesh):
 def state_shardings(model: sr.SpecModel, state: DecodeState, max_len: int, mesh):
     """NamedShardings of a DecodeState on `mesh`: every leaf's batch (slot) axis over the mesh's batch
     axes (`data`, `fsdp`), the rest replicated (a slot count the batch axes do not divide stays whole)."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from dspark_jax.parallel import batch_sharding, fit_shardings
-
     lead = batch_sharding(mesh, 1).spec[0]
 
     def at(axis, leaf):

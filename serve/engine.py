@@ -238,7 +238,7 @@ def scheduling_table(model: sr.SpecModel, weights: sr.Weights, config: EngineCon
     if config.mode not in ("sync", "async"):
         return cost_table
     if cost_table is None and config.profile_on_start:
-        from dspark_jax.serve.profile import profile_cost_table
+        from dspark_jax.serve.profile import profile_cost_table  # noqa: PLC0415  (cycle: profile imports engine)
 
         cost_table = profile_cost_table(model, weights, slots=config.max_slots, max_len=config.max_len,
                                         progress=config.progress)

@@ -12,13 +12,18 @@ table is made monotone by CostTable (with a warning) if noise demands it.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
+from pathlib import Path
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
 from dspark_jax import spec_round as sr
 from dspark_jax.schedule import CostTable, width_buckets
+from dspark_jax.serve.engine import Engine, EngineConfig, Request
 
 
 def round_seconds(engine, requests, *, warmup: int = 3, repeats: int = 5) -> float:
@@ -46,8 +51,6 @@ def profile_cost_table(model: sr.SpecModel, weights: sr.Weights, *, slots: int, 
     """The cost table of an engine with `slots` slots: `sweeps` passes over the widths (each width's
     best median is kept, so a slow spell of a shared machine during one pass does not skew one width
     against the others)."""
-    from dspark_jax.serve.engine import Engine, EngineConfig, Request
-
     k = model.block_size
     widths = sorted(set(widths or width_buckets(k)))
     rng = np.random.default_rng(seed)
@@ -78,12 +81,6 @@ def cached_cost_table(bundle, *, slots: int, max_len: int, progress: bool = True
     """The bundle's cost table for this platform, slot count and cache length: measured once, then read
     back. Stored beside the bundle (`<bundle>/cost_tables/`) when that folder is writable, else under
     ~/.cache/dspark_jax/. -> (table, where it came from)."""
-    import hashlib
-    import os
-    from pathlib import Path
-
-    import jax
-
     name = f"{jax.devices()[0].platform}_{slots}x{max_len}.json"
     places = []
     if bundle.path is not None:

@@ -1,4 +1,4 @@
-"""Test set-up shared by every test module.
+"""Test set-up shared by every test module (the shared helpers are the `helpers` package beside this file).
 
 Eight host CPU devices so the sharding tests can build real meshes; this must happen before jax
 initialises its backends, which is why it lives here and not in a test.
@@ -13,11 +13,6 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-
-from pathlib import Path  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-CONFIGS = REPO / "configs"
 
 import gc  # noqa: E402
 

@@ -5,7 +5,7 @@ widens the operands on CPU (exact: a product of two bf16 numbers fits in f32) an
 TPU/GPU. Here: the backbones, both draft families and the spec round run at bf16 on CPU, stay bf16
 where the official forward is bf16, and agree with the same weights run at f32 to bf16 accuracy.
 The bit-level agreement of the V4.1 draft with the official rounding points is
-test_v41_official_numerics.py.
+drafts/v41/test_official_numerics.py.
 """
 
 import functools
@@ -14,15 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import CONFIGS
-from spec_helpers import oracle_propose, padded
-from spec_helpers import random_prompts as prompts
+from helpers import CONFIGS, oracle_propose, padded
+from helpers import random_prompts as prompts
 
-from dspark_jax import draft, sampling
+from dspark_jax import drafts, sampling
 from dspark_jax import spec_round as sr
 from dspark_jax.backbones.mhc import MhcBackbone, MhcConfig
 from dspark_jax.backbones.qwen3 import Qwen3Backbone, Qwen3Config
-from dspark_jax.config import DSparkConfig
 
 PAIRS = {"mhc": "tiny_v41.json", "qwen3": "tiny_deepspec.json"}
 
@@ -31,7 +29,7 @@ PAIRS = {"mhc": "tiny_v41.json", "qwen3": "tiny_deepspec.json"}
 # then moves a token's output by O(1); the bf16-vs-f32 comparisons below measure the dense math, so
 # their MoEs have a single routed expert. Likewise the fp8 rounding of KV rows turns a last-bit change
 # near a rounding edge into a whole fp8 step (6%), so it is off here. Both are covered, at bf16, by
-# test_v41_official_numerics.py.
+# drafts/v41/test_official_numerics.py.
 ONE_EXPERT = {"n_routed_experts": 1, "n_activated_experts": 1, "kv_fp8": False}
 
 
@@ -39,10 +37,10 @@ def _configs(name: str, dtype: str):
     dt = {"param_dtype": dtype, "compute_dtype": dtype}
     if name == "mhc":
         bb = MhcBackbone(MhcConfig.from_json(CONFIGS / "tiny_mhc_backbone.json").replace(**dt, **ONE_EXPERT))
-        cfg = DSparkConfig.from_json(CONFIGS / PAIRS[name]).replace(**dt, **ONE_EXPERT)
+        cfg = drafts.load_config(CONFIGS / PAIRS[name]).replace(**dt, **ONE_EXPERT)
     else:
         bb = Qwen3Backbone(Qwen3Config.from_hf_json(CONFIGS / "tiny_qwen3_backbone.json").replace(**dt))
-        cfg = DSparkConfig.from_json(CONFIGS / PAIRS[name]).replace(**dt)  # DeepSpec: no MoE, no fp8
+        cfg = drafts.load_config(CONFIGS / PAIRS[name]).replace(**dt)  # DeepSpec: no MoE, no fp8
     return bb, cfg
 
 
@@ -57,7 +55,7 @@ def models(name: str, dtype: str):
     bb32, cfg32 = _configs(name, "float32")
     bb, cfg = _configs(name, dtype)
     bp = _like(bb32.init_params(jax.random.key(0)), bb.abstract_params())
-    dp = _like(draft.init_params(cfg32, jax.random.key(1)), draft.abstract_params(cfg))
+    dp = _like(drafts.init_params(cfg32, jax.random.key(1)), drafts.abstract_params(cfg))
     model = sr.SpecModel(bb, cfg, impl="xla")
     return model, sr.Weights(bp, dp, bb.tied(bp), jnp.ones(cfg.block_size))
 
@@ -98,10 +96,10 @@ def _draft_run(name: str, dtype: str):
     rng = np.random.default_rng(1)
     hidden = jnp.asarray(rng.normal(size=(b, 30, cfg.main_hidden_dim)), jnp.bfloat16).astype(cfg.compute_dtype)
     sp, seeds = sampling.SamplingParams.greedy(b), jnp.arange(b, dtype=jnp.uint32)
-    st = draft.prefill(w.draft, cfg, draft.init_state(cfg, b, 64), hidden, jnp.array([30, 21]))
-    first = draft.propose(w.draft, w.tied, cfg, st, jnp.array([3, 4]), sp, seeds)
-    st = draft.ingest(w.draft, cfg, st, hidden[:, :3], jnp.array([3, 1]))
-    second = draft.propose(w.draft, w.tied, cfg, st, jnp.array([5, 6]), sp, seeds)
+    st = drafts.prefill(w.draft, cfg, drafts.init_state(cfg, b, 64), hidden, jnp.array([30, 21]))
+    first = drafts.propose(w.draft, w.tied, cfg, st, jnp.array([3, 4]), sp, seeds)
+    st = drafts.ingest(w.draft, cfg, st, hidden[:, :3], jnp.array([3, 1]))
+    second = drafts.propose(w.draft, w.tied, cfg, st, jnp.array([5, 6]), sp, seeds)
     return st, (first, second)
 
 

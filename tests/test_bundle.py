@@ -1,11 +1,12 @@
-"""Loading a serving bundle (dspark_jax/bundle.py): every broken file is a UserError naming the file and
-what is wrong, never a library traceback or a silently wrong model."""
+"""Serving bundles (dspark_jax/bundle.py): every broken file is a UserError naming the file and what is
+wrong, never a library traceback or a silently wrong model; a saved bundle records its draft family's tap mode."""
 
 import json
 import shutil
 
 import numpy as np
 import pytest
+from helpers.deepspec import CFG, pair
 
 from dspark_jax.bundle import load_bundle
 from dspark_jax.errors import UserError
@@ -24,6 +25,16 @@ def _edit_json(path, change):
     d = json.loads(path.read_text())
     change(d)
     path.write_text(json.dumps(d))
+
+
+def _edit_tensors(path, change):
+    from dspark_jax.checkpoint.safetensors_io import open_checkpoint, save_file
+
+    src = open_checkpoint(path)
+    tensors = {n: np.asarray(src.read(n)) for n in src.names}
+    del src
+    change(tensors)
+    save_file(path, tensors)
 
 
 def _truncate(path):
@@ -50,6 +61,15 @@ CASES = {  # name: (break the bundle, the file the message names, a phrase it co
                                   "calibration.json", "2 temperatures for a draft of block_size"),
     "calibration NaN": (lambda b: (b / "calibration.json").write_text('{"temperatures": [NaN, 1, 1, 1, 1, 1, 1]}'),
                         "calibration.json", "temperatures"),
+    # the one strict tree check (dspark_jax.checkpoint.trees.check_tree) names the leaf and the file
+    "draft tensor missing": (lambda b: _edit_tensors(b / "draft.safetensors", lambda t: t.pop(min(t))),
+                             "draft.safetensors", "tensors do not match: missing ['"),
+    "draft tensor unexpected": (lambda b: _edit_tensors(b / "draft.safetensors",
+                                                        lambda t: t.update({"bogus.weight": np.zeros(2, np.float32)})),
+                                "draft.safetensors", "unexpected ['bogus.weight']"),
+    "backbone tensor mis-shaped": (lambda b: _edit_tensors(b / "backbone.safetensors",
+                                                           lambda t: t.update({"norm.scale": t["norm.scale"][:-1]})),
+                                   "backbone.safetensors", "tensor 'norm.scale' has shape ["),
 }
 
 
@@ -67,3 +87,13 @@ def test_the_intact_copy_loads(bundle):
     b = load_bundle(bundle)
     assert b.tokenizer is not None and b.calibration is not None
     assert np.asarray(b.weights.temperatures).tolist() == pytest.approx(b.calibration.temperatures)
+
+
+def test_a_bundle_records_the_family_tap_mode(tmp_path):
+    from dspark_jax.bundle import load_bundle, save_bundle
+
+    bb, weights = pair()
+    save_bundle(tmp_path, backbone_family="qwen3", backbone=bb, backbone_params=weights.backbone, draft_cfg=CFG,
+                draft_params=weights.draft)
+    assert json.loads((tmp_path / "bundle.json").read_text())["tap_mode"] == "output"
+    assert load_bundle(tmp_path, impl="xla").model.tap_mode == "output"

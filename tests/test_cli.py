@@ -35,7 +35,7 @@ def test_profile_then_generate_async(tmp_path, capsys):
 
 def test_engine_profiles_its_cost_table_at_start_when_asked():
     from dspark_jax.bundle import random_bundle
-    from dspark_jax.serve.cli_common import CONFIGS
+    from dspark_jax.configs import CONFIGS
     from dspark_jax.serve.engine import Engine, EngineConfig, Request
 
     b = random_bundle(CONFIGS / "tiny_mhc_backbone.json", CONFIGS / "tiny_v41.json")

@@ -64,7 +64,7 @@ def test_what_counts_as_a_user_error():
         json.loads("{")  # a ValueError raised inside the json module, not by our checks
     except ValueError as err:
         assert not is_user_error(err)
-    from dspark_jax.config import DSparkConfig
+    from dspark_jax.drafts.v41.config import DSparkConfig
 
     with pytest.raises(ValueError) as info:
         DSparkConfig.from_dict({"dim": 8})

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from oracles import reference_probs
+from helpers import reference_probs
 from scipy import stats
 
 from dspark_jax import sampling

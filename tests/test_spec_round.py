@@ -1,53 +1,19 @@
 """The speculative round and the engine end to end: exactness against plain decoding, the sampled
 distribution, batch invariance, rollback and ring backfill, bad requests."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import CONFIGS
+from helpers import CONFIGS, assert_within_one_fp8_step, oracle_propose, oracle_propose_varied, padded
+from helpers import random_prompts as prompts
+from helpers.spec import CFG, K, family, plain_greedy, scaled_markov_head
 from scipy import stats
-from spec_helpers import assert_within_one_fp8_step, oracle_propose, padded, plain_greedy_tokens
-from spec_helpers import random_prompts as prompts
 
-from dspark_jax import draft, sampling
+from dspark_jax import drafts, sampling
 from dspark_jax import spec_round as sr
 from dspark_jax.backbones.mhc import MhcBackbone, MhcConfig
-from dspark_jax.backbones.qwen3 import Qwen3Backbone, Qwen3Config
-from dspark_jax.config import DSparkConfig
 from dspark_jax.serve.engine import Engine, EngineConfig, Request
-
-CFG = DSparkConfig.from_json(CONFIGS / "tiny_v41.json")
-K = CFG.block_size
-
-
-@functools.lru_cache(maxsize=None)
-def family(name):
-    """A backbone with exact-enough numerics for token-for-token comparisons.
-
-    XLA:CPU does not promise bitwise-equal rows across execution shapes (a [B*T, 256] x [256, 24]
-    product rounds differently for T = 2 and T = 6), so a position verified in a 6-token forward and
-    decoded in a 1-token forward differ in the last bits. The V4.1 fp8 KV rounding amplifies such a
-    difference into a 6% change of one KV element when a value sits near a rounding edge, which flips
-    near-tied argmaxes (we saw a 6e-4 logit margin flip). The exactness tests therefore run the mhc
-    backbone with kv_fp8 off; the sampled-distribution test keeps it on.
-    """
-    if name == "mhc":
-        bb = MhcBackbone(MhcConfig.from_json(CONFIGS / "tiny_mhc_backbone.json").replace(kv_fp8=False))
-    else:
-        bb = Qwen3Backbone(Qwen3Config.from_hf_json(CONFIGS / "tiny_qwen3_backbone.json"))
-    bp = bb.init_params(jax.random.key(0))
-    dp = draft.init_params(CFG, jax.random.key(1))
-    return bb, sr.Weights(bp, dp, bb.tied(bp), jnp.ones(K))
-
-
-@functools.lru_cache(maxsize=None)
-def plain_greedy(name, n_prompts, steps, maxlen):
-    """Plain autoregressive greedy decoding of the backbone, batched: i32[n, steps + 1]."""
-    bb, weights = family(name)
-    return plain_greedy_tokens(sr.SpecModel(bb, CFG, impl="xla"), weights, prompts(n_prompts, seed=1), steps, maxlen)
 
 
 @pytest.mark.parametrize("name", ["mhc", "qwen3"])
@@ -80,7 +46,7 @@ def test_greedy_speculative_equals_plain_decoding(name):
     assert (accepted > 0).all(), accepted  # every acceptance count 0..K really happened
 
 
-# ~75 s of compiles (mhc, 3 slots, every width); test_engine.py covers the engine at default speed.
+# ~75 s of compiles (mhc, 3 slots, every width); serve/test_engine.py covers the engine at default speed.
 @pytest.mark.slow
 def test_engine_greedy_equals_plain_with_the_real_draft():
     """Through the engine (slots, continuous batching, prefill buckets), with the real draft."""
@@ -94,7 +60,8 @@ def test_engine_greedy_equals_plain_with_the_real_draft():
         assert r.tokens == want[r.id, :len(r.tokens)].tolist()
 
 
-# Both variants are minutes of compiles: in the slow step (test_draft.py checks the ring rows at default speed).
+# Both variants are minutes of compiles: in the slow step (drafts/v41/test_model.py checks the ring rows at
+# default speed).
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_fp8", [True, False])
 def test_ring_backfill_equals_prefill_of_the_committed_sequence(kv_fp8):
@@ -135,8 +102,8 @@ def test_ring_backfill_equals_prefill_of_the_committed_sequence(kv_fp8):
     t = max(len(c) for c in committed)
     toks = jnp.asarray([c + [0] * (t - len(c)) for c in committed], jnp.int32)
     fresh = bb.forward(weights.backbone, bb.init_cache(b, maxlen), toks, taps=cfg.target_layer_ids)
-    ref = draft.prefill(weights.draft, cfg, draft.init_state(cfg, b), fresh.taps,
-                        jnp.asarray([len(c) for c in committed]), impl="xla")
+    ref = drafts.prefill(weights.draft, cfg, drafts.init_state(cfg, b), fresh.taps,
+                         jnp.asarray([len(c) for c in committed]), impl="xla")
     if kv_fp8:
         assert_within_one_fp8_step(state.draft.ring, ref.ring, what="ring values")
     else:
@@ -144,17 +111,20 @@ def test_ring_backfill_equals_prefill_of_the_committed_sequence(kv_fp8):
     np.testing.assert_array_equal(state.anchor, [s[-1] for s in seqs])
 
 
-def test_sampled_output_is_distributed_as_the_backbone():
+# ~2 min each: the gated and recurrent heads' cases run in the slow step.
+@pytest.mark.parametrize("head", ["vanilla", pytest.param("gated", marks=pytest.mark.slow),
+                                  pytest.param("rnn", marks=pytest.mark.slow)])
+def test_sampled_output_is_distributed_as_the_backbone(head):
     """Chi-square of the first two generated tokens (the second is emitted by a speculative round with
-    the real draft, all K drafts verified) against the backbone's exact distributions: marginals and
-    the joint. 40k requests: a 1% shift between two likely tokens gives a noncentrality of ~8, so the
-    joint and marginal tests reject it with high probability at alpha = 1e-3."""
+    the real draft, all K drafts verified, its Markov head of each type) against the backbone's exact
+    distributions: marginals and the joint. 40k requests: a 1% shift between two likely tokens gives a
+    noncentrality of ~8, so the joint and marginal tests reject it with high probability at alpha = 1e-3."""
     v = 12
     bcfg = MhcConfig.from_json(CONFIGS / "tiny_mhc_backbone.json").replace(vocab_size=v)
-    dcfg = CFG.replace(vocab_size=v, noise_token_id=v - 1)
+    dcfg = CFG.replace(vocab_size=v, noise_token_id=v - 1, markov_head_type=head)
     bb = MhcBackbone(bcfg)
     bp = bb.init_params(jax.random.key(5))
-    dp = draft.init_params(dcfg, jax.random.key(6))
+    dp = scaled_markov_head(drafts.init_params(dcfg, jax.random.key(6)), jax.random.key(7))
     weights = sr.Weights(bp, dp, bb.tied(bp), jnp.ones(K))
     model = sr.SpecModel(bb, dcfg, impl="xla")
     n = 40000
@@ -220,7 +190,7 @@ def test_same_seed_same_output_alone_or_in_a_batch():
         assert [r for r in got if r.id == "t"][0].tokens == alone[0].tokens
 
 
-# ~30 s; test_engine.py's bad-request test runs at default speed.
+# ~30 s; serve/test_engine.py's bad-request test runs at default speed.
 @pytest.mark.slow
 def test_bad_requests_get_clear_errors_and_others_complete():
     bb, weights = family("mhc")
@@ -244,20 +214,37 @@ def test_sync_and_async_modes_need_a_cost_table():
         Engine(sr.SpecModel(bb, CFG), weights, EngineConfig(mode="sync"))
 
 
-# ~110 s of compiles (two scheduler modes x widths): in the slow step; test_engine.py runs async.
+# ~110 s of compiles (two scheduler modes x widths): in the slow step; serve/test_engine.py runs async.
 @pytest.mark.slow
 def test_engine_sync_and_async_schedulers_stay_exact():
-    """With a staircase cost table the schedulers admit varying lengths; greedy output is unchanged."""
+    """With a staircase cost table and a draft whose confidences differ per row and position, the
+    schedulers admit varying lengths (checked on the recorded num_verify); greedy output is unchanged."""
     from dspark_jax.schedule import CostTable
 
     bb, weights = family("mhc")
-    weights = weights._replace(temperatures=jnp.full((K,), 3.0))  # flatter confidences: varied admissions
+    weights = weights._replace(temperatures=jnp.full((K,), 3.0))  # the oracle's logits -6..6 -> conf 0.12..0.88
     table = CostTable(np.array([1, 4, 8, 12]), np.array([100.0, 95.0, 60.0, 40.0]), max_batch_tokens=18)
     reqs = [Request(p, max_tokens=16, seed=i, id=i) for i, p in enumerate(prompts(6, seed=1))]
     want = plain_greedy("mhc", 22, 150, 200)
-    model = sr.SpecModel(bb, CFG, impl="xla", propose_fn=oracle_propose)
+    model = sr.SpecModel(bb, CFG, impl="xla", propose_fn=oracle_propose_varied)
     for mode in ("sync", "async"):
-        eng = Engine(model, weights, EngineConfig(mode=mode, max_slots=3, max_len=200, progress=False), table)
+        eng = Engine(model, weights, EngineConfig(mode=mode, max_slots=3, max_len=200, progress=False,
+                                                  record_rounds=True), table)
         for r in eng.generate(reqs):
             assert r.tokens == want[r.id, :16].tolist(), (mode, r.id)
         assert eng.metrics.rounds > 0
+        # num_verify of the active rows of each speculative round, in slot order; rounds with all 3 slots
+        # active index rows by slot. Measured: sync admits 0..3 per row, async 0 or 1 (and K in probes).
+        rounds = [v.tolist() for v in eng.records["num_verified"]]
+        full = [v for v in rounds if len(v) == 3]
+        assert len({n for v in rounds for n in v}) >= 3, (mode, rounds)
+        if mode == "sync":
+            # Equal confidences (oracle_propose's zero logits) fill the rows depth by depth (ties: smaller
+            # j, then smaller r), so a round's lengths are within one of each other ([2, 1, 1] in every
+            # full round); per-row confidences give one row at least 2 more drafts than another.
+            assert any(max(v) - min(v) >= 2 for v in full), rounds
+        else:
+            # Capacity <= 1 with this table (the static budget runs 3 slots x the width bucket: 2 drafts
+            # already cost 12 tokens at 40 steps/s), so a scheduled round verifies one draft, the most
+            # confident row's: always row 0 (tie order) with equal confidences, here different rows.
+            assert len({v.index(1) for v in full if sorted(v) == [0, 0, 1]}) >= 2, rounds

@@ -232,7 +232,8 @@ def fused_vocab_stats(x: jax.Array, head: jax.Array, markov_emb: jax.Array | Non
     """`vocab_stats` of draft logits `x @ head^T + markov_emb @ markov_head^T` against
     `teacher_logits[teacher_rows]`, built one vocabulary chunk at a time.
 
-    x f32[M, D] (final-normed draft hidden), head [V, D] (tied LM head), markov_emb [M, r] (W1[prev]) and
+    x f32[M, D] (final-normed draft hidden), head [V, D] (tied LM head), markov_emb [M, r] (the Markov
+    head's z: W1[prev] for the vanilla head, `drafts.markov` for the gated / recurrent ones) and
     markov_head [V, r] (W2^T as stored) or both None, teacher_logits [S, V] (backbone logits rows),
     teacher_rows i32[M]. -> (lse_d f32[M], l1 f32[M]).
     Gradients flow to x, markov_emb and markov_head. `head` and `teacher_logits` are the frozen

@@ -36,6 +36,7 @@ from typing import Sequence
 import numpy as np
 from tqdm import tqdm
 
+from dspark_jax.serve.engine import Engine, EngineConfig, Request
 from dspark_jax.serve.request_check import check_filters
 from dspark_jax.train.data import DataError, encode_record, expand_paths
 
@@ -180,8 +181,6 @@ def regenerate(model, weights, prompts: Sequence[Sequence[int]], out, cfg: Regen
                cost_table=None, progress: bool = True) -> dict:
     """Continue every prompt with the backbone (through the engine) and append training lines to `out`.
     -> {"done", "served", "tokens", "tokens_per_s"}."""
-    from dspark_jax.serve.engine import Engine, EngineConfig, Request  # noqa: PLC0415 (jax import)
-
     if len(prompts) != cfg.num_prompts:
         raise ValueError(f"regenerate: got {len(prompts)} prompts for num_prompts={cfg.num_prompts}")
     out = Path(out)

@@ -35,8 +35,12 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from dspark_jax import draft as draft_lib
-from dspark_jax.config import DSparkConfig
+from dspark_jax import drafts
+from dspark_jax import spec_round as sr
+from dspark_jax.backbones.mhc import MhcBackbone, MhcConfig
+from dspark_jax.backbones.qwen3 import Qwen3Backbone, Qwen3Config
+from dspark_jax.checkpoint.orbax_io import is_orbax_checkpoint, restore_params
+from dspark_jax.checkpoint.qwen3_hf import load_qwen3_hf
 from dspark_jax.errors import UserError
 from dspark_jax.parallel import fit_shardings, logical_shardings, make_mesh
 from dspark_jax.train.anchors import make_blocks
@@ -98,11 +102,7 @@ def resolve_mesh(cfg: MeshConfig, devices=None):
 def build_backbone(spec):
     """-> (backbone, params or None). params None = the caller initialises them randomly."""
     if spec.family == "mhc":
-        from dspark_jax.backbones.mhc import MhcBackbone, MhcConfig  # noqa: PLC0415
-
         return MhcBackbone(MhcConfig.from_json(spec.config))
-    from dspark_jax.backbones.qwen3 import Qwen3Backbone, Qwen3Config  # noqa: PLC0415
-
     path = spec.config or str(Path(spec.params) / "config.json")
     return Qwen3Backbone(Qwen3Config.from_hf_json(path))
 
@@ -120,7 +120,7 @@ class StepSpec:
     backbone_type: type
     backbone_cfg: Any
     tap_mode: str
-    draft_cfg: DSparkConfig
+    draft_cfg: Any  # any draft family's config
     loss: LossConfig
     optim: OptimConfig
     steps: int
@@ -213,8 +213,8 @@ def compile_step(spec: StepSpec) -> CompiledStep:
     step = _step_fn(spec, tx)
     backbone = spec.backbone_type(spec.backbone_cfg)
     dcfg = spec.draft_cfg
-    p_sh = draft_lib.param_shardings(dcfg, mesh)
-    abstract_p = draft_lib.abstract_params(dcfg)
+    p_sh = drafts.param_shardings(dcfg, mesh)
+    abstract_p = drafts.abstract_params(dcfg)
     abstract_opt = jax.eval_shape(tx.init, abstract_p)
     rep = NamedSharding(mesh, PartitionSpec())
     opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, abstract_opt, p_sh,
@@ -274,7 +274,7 @@ class Trainer:
         self.cfg = cfg
         self.mesh = mesh if mesh is not None else resolve_mesh(cfg.mesh)
         self.backbone = build_backbone(cfg.backbone)
-        self.draft_cfg = DSparkConfig.from_json(cfg.draft.config).replace(param_dtype="float32",
+        self.draft_cfg = drafts.load_config(cfg.draft.config).replace(param_dtype="float32",
                                                                           compute_dtype=cfg.compute_dtype)
         _check_pair(self.backbone, self.draft_cfg)
         self.tap_mode = _tap_mode(cfg.backbone.tap_mode, self.draft_cfg)
@@ -309,13 +309,9 @@ class Trainer:
         spec = self.cfg.backbone
         if spec.params is None:
             return jax.device_get(self.backbone.init_params(jax.random.key(spec.init_seed)))
-        from dspark_jax.checkpoint.orbax_io import is_orbax_checkpoint, restore_params  # noqa: PLC0415
-
         if is_orbax_checkpoint(spec.params):
             return restore_params(spec.params, self.compiled.backbone_shardings)
         if spec.family == "qwen3":
-            from dspark_jax.checkpoint.qwen3_hf import load_qwen3_hf  # noqa: PLC0415
-
             _, params = load_qwen3_hf(spec.params)
             return params
         raise ValueError(f"backbone.params: {spec.params} is not an Orbax checkpoint")
@@ -323,12 +319,10 @@ class Trainer:
     def _init_draft_params(self):
         spec = self.cfg.draft
         if spec.init is None:
-            params = draft_lib.init_params(self.draft_cfg, jax.random.key(spec.init_seed))
+            params = drafts.init_params(self.draft_cfg, jax.random.key(spec.init_seed))
             return jax.tree.map(lambda x: np.asarray(x, np.float32), jax.device_get(params))
-        from dspark_jax.checkpoint.orbax_io import restore_params  # noqa: PLC0415
-
         target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=s),
-                              draft_lib.abstract_params(self.draft_cfg), self.compiled.state_shardings.params)
+                              drafts.abstract_params(self.draft_cfg), self.compiled.state_shardings.params)
         return restore_params(spec.init, target)
 
     def _init_state(self, params) -> TrainState:
@@ -357,8 +351,6 @@ class Trainer:
 
     def spec_pair(self, temperatures=None, impl: str = "auto"):
         """(SpecModel, Weights) of the current draft and the frozen backbone, for `train.rollout`."""
-        from dspark_jax import spec_round as sr  # noqa: PLC0415
-
         k = self.draft_cfg.block_size
         temps = jnp.ones((k,), jnp.float32) if temperatures is None else jnp.asarray(temperatures, jnp.float32)
         model = sr.SpecModel(self.backbone, self.draft_cfg, tap_mode=self.tap_mode, impl=impl)
@@ -521,7 +513,7 @@ def _tap_mode(requested: str | None, cfg) -> str:
     return cfg.tap_mode
 
 
-def _check_pair(backbone, cfg: DSparkConfig) -> None:
+def _check_pair(backbone, cfg) -> None:
     if backbone.vocab_size != cfg.vocab_size:
         raise ValueError(f"draft vocab_size {cfg.vocab_size} != backbone vocab_size {backbone.vocab_size}")
     if backbone.dim != cfg.dim:

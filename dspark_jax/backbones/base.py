@@ -180,48 +180,14 @@ def query_positions(length: jax.Array, t: int) -> jax.Array:
     return length[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
 
 
-def cache_visibility(positions: jax.Array, max_len: int) -> tuple[jax.Array, jax.Array]:
-    """-> (visible bool[B, T, S], written bool[B, S]).
-
-    Cache slot s is visible to the query at `positions[b, t]` iff s <= that position: slots below the
-    committed length hold committed tokens, slots from the committed length up to the query's own
-    position were (re)written by this very call, so stale rolled-back entries never show. `written`
-    marks the slots holding this row's committed or just-written entries (s < length + T); the rest
-    may hold anything (a previous request's leftovers, even non-finite values) and are zeroed before
-    use so that masked garbage cannot leak through 0 * inf."""
+def cache_visibility(positions: jax.Array, max_len: int) -> jax.Array:
+    """visible bool[B, T, S]: cache slot s is visible to the query at `positions[b, t]` iff s <= that
+    position. Slots below the committed length hold committed tokens; slots from the committed length up
+    to the query's own position were (re)written by this very call, so stale rolled-back entries never
+    show. Slots no query of the call sees may hold anything (a previous request's leftovers, even
+    non-finite values): the attention core zeroes them (`nn.attention.KeySegment`)."""
     slots = jnp.arange(max_len, dtype=jnp.int32)
-    visible = slots[None, None, :] <= positions[:, :, None]
-    written = slots[None, :] <= positions[:, -1:]
-    return visible, written
-
-
-def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, written: jax.Array, *,
-                    scale: float, sink: jax.Array | None = None) -> jax.Array:
-    """Grouped-query attention of this call's queries over one layer's cache (f32 math).
-
-    q [B, T, H, hd]; k, v [B, S, Hkv, hd] (H a multiple of Hkv; MQA: Hkv = 1, and k may be v);
-    visible bool[B, T, S]; written bool[B, S]; sink f32[H] or None: an extra per-head logit in the
-    softmax denominator that carries no value (V4.1). -> o [B, T, H, hd] in q's dtype.
-    """
-    b, t, h, hd = q.shape
-    hkv = k.shape[2]
-    f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
-    keep = written[:, :, None, None]
-    kf = jnp.where(keep, k.astype(f32), 0.0)
-    vf = kf if v is k else jnp.where(keep, v.astype(f32), 0.0)
-    qg = q.astype(f32).reshape(b, t, hkv, h // hkv, hd)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, kf, precision=hi) * scale
-    s = jnp.where(visible[:, None, None, :, :], s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    if sink is not None:
-        sink_ = sink.astype(f32).reshape(1, hkv, h // hkv, 1, 1)
-        m = jnp.maximum(m, sink_)
-    p = jnp.exp(s - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    if sink is not None:
-        denom = denom + jnp.exp(sink_ - m)
-    o = jnp.einsum("bkgts,bskd->btkgd", p / denom, vf, precision=hi)
-    return o.reshape(b, t, h, hd).astype(q.dtype)
+    return slots[None, None, :] <= positions[:, :, None]
 
 
 def write_rows(store: jax.Array, layer, new: jax.Array, positions: jax.Array) -> jax.Array:

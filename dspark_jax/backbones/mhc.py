@@ -30,17 +30,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.backbones.base import (Backbone, BackboneOutput, as_dtype, at_positions, cache_attention,
-                                       cache_visibility,
+from dspark_jax.backbones.base import (Backbone, BackboneOutput, as_dtype, at_positions, cache_visibility,
                                        query_positions, record_taps, taps_to_features, write_rows)
-from dspark_jax.config import (SCORE_FUNCS, ConfigError, check_field, did_you_mean, is_int, is_number,
-                               read_json_config)
-from dspark_jax.nn.attention import WindowAttention, grouped_out_proj
+from dspark_jax.nn.attention import KeySegment, WindowAttention, grouped_out_proj, grouped_query_attention
 from dspark_jax.nn.head import f32_head_logits
-from dspark_jax.nn.mhc import HyperConnection, hc_post, hc_pre, one_hot_pre
+from dspark_jax.nn.mhc import MhcBlock, hc_pre, one_hot_pre
 from dspark_jax.nn.moe import MoE, swiglu_mlp
 from dspark_jax.nn.norm import RMSNorm, rms_norm
 from dspark_jax.nn.params import fan_in_normal, param
+from dspark_jax.validation import (SCORE_FUNCS, ConfigError, check_field, did_you_mean, is_int, is_number,
+                                   read_json_config)
 
 DTYPES = ("float32", "bfloat16")
 MHC_SIZE_FIELDS = ("dim", "vocab_size", "n_layers", "n_heads", "head_dim")
@@ -169,14 +168,14 @@ class MhcCache(NamedTuple):
 class _CausalLatentAttention(WindowAttention):
     """The V4.1 latent MQA (same parameters as the draft's `WindowAttention`), causal over a KV cache."""
 
-    def __call__(self, x, positions, kv_all, layer, visible, written):
+    def __call__(self, x, positions, kv_all, layer, visible):
         c = self.cfg
         b, t, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))).reshape(b, t, c.n_heads, c.head_dim)
         q = self._rope(q, positions[..., None])  # queries are not fp8-rounded
         kv_all = write_rows(kv_all, layer, self.kv(x, positions), positions)
         keys = kv_all[layer][:, :, None, :]  # [B, S, 1, hd]: MQA, key = value
-        o = cache_attention(q, keys, keys, visible, written, scale=c.head_dim ** -0.5, sink=self.sink)
+        o = grouped_query_attention(q, [KeySegment(keys, keys, visible)], scale=c.head_dim ** -0.5, sink=self.sink)
         o = self._rope(o, positions[..., None], inverse=True)
         o = grouped_out_proj(o.reshape(b, t, -1), self.wo_a(), jnp.dtype(c.compute_dtype))
         return self.wo_b(o), kv_all
@@ -197,19 +196,14 @@ class _DenseFFN(nn.Module):
         return y.astype(cd)
 
 
-class _Layer(nn.Module):
+class _Layer(MhcBlock):
     """One single-pass mHC layer as a scan body: carry = (streams, pre_in, kv cache, tap buffer)."""
 
-    cfg: MhcConfig
-    tap_states: tuple[int, ...]
+    tap_states: tuple[int, ...] = ()
 
     def setup(self):
+        super().setup()
         c = self.cfg
-        hc = dict(hc=c.hc_mult, dim=c.dim, iters=c.hc_sinkhorn_iters, eps=c.hc_eps, norm_eps=c.norm_eps)
-        self.attn_norm = RMSNorm(c.dim, c.norm_eps, c.param_dtype)
-        self.ffn_norm = RMSNorm(c.dim, c.norm_eps, c.param_dtype)
-        self.hc_attn = HyperConnection(**hc)
-        self.hc_ffn = HyperConnection(**hc)
         self.attn = _CausalLatentAttention(c)
         if c.n_routed_experts:
             self.ffn = MoE(c.dim, c.n_routed_experts, c.n_activated_experts, c.moe_inter_dim, c.n_shared_experts,
@@ -218,15 +212,11 @@ class _Layer(nn.Module):
         else:
             self.ffn = _DenseFFN(c)
 
-    def __call__(self, carry, layer, positions, visible, written):
+    def __call__(self, carry, layer, positions, visible):
         streams, pre_in, kv_all, taps = carry
         taps = record_taps(taps, stream_mean(streams), layer, self.tap_states)
-        attn_pre, attn_post, attn_comb = self.hc_attn(streams)
-        y, kv_all = self.attn(self.attn_norm(hc_pre(streams, pre_in)), positions, kv_all, layer, visible, written)
-        streams = hc_post(y, streams, attn_post, attn_comb)
-        ffn_pre, ffn_post, ffn_comb = self.hc_ffn(streams)
-        y = self.ffn(self.ffn_norm(hc_pre(streams, attn_pre)))
-        streams = hc_post(y, streams, ffn_post, ffn_comb)
+        streams, ffn_pre, kv_all = self.mix(streams, pre_in,
+                                            lambda x: self.attn(x, positions, kv_all, layer, visible))
         return (streams, ffn_pre, kv_all, taps), None
 
 
@@ -250,13 +240,13 @@ class _Mhc(nn.Module):
         streams = jnp.broadcast_to(x[..., None, :], (b, t, c.hc_mult, c.dim))
         pre = one_hot_pre(c.hc_mult, (b, t))
         positions = query_positions(length, t)
-        visible, written = cache_visibility(positions, kv_cache.shape[2])
+        visible = cache_visibility(positions, kv_cache.shape[2])
         taps = jnp.zeros((len(self.tap_states), b, t, c.dim), cd)
         layers = nn.scan(_Layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=c.n_layers,
+                         in_axes=(0, nn.broadcast, nn.broadcast), length=c.n_layers,
                          metadata_params={nn.PARTITION_NAME: "layers"})
         (streams, pre, kv_cache, taps), _ = layers(c, self.tap_states, name="layers")(
-            (streams, pre, kv_cache, taps), jnp.arange(c.n_layers, dtype=jnp.int32), positions, visible, written)
+            (streams, pre, kv_cache, taps), jnp.arange(c.n_layers, dtype=jnp.int32), positions, visible)
         taps = record_taps(taps, stream_mean(streams), c.n_layers, self.tap_states)
         h = hc_pre(at_positions(streams, logits_at), at_positions(pre, logits_at))  # no hc_head in V4.1
         h = RMSNorm(c.dim, c.norm_eps, c.param_dtype, name="norm")(h)

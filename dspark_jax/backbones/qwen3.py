@@ -23,28 +23,28 @@ layers.down_proj.kernel    [L, F, D]         (layers, mlp, embed)        ...mlp.
 norm.scale                 [D]               (norm,)            model.norm.weight
 lm_head                    [V, D]            (vocab, embed)     lm_head.weight   (absent when tied)
 ```
+The Hugging Face name table and loader are `dspark_jax.checkpoint.qwen3_hf` (`load_qwen3_hf`, `hf_layer_map`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from dspark_jax.backbones.base import (Backbone, BackboneOutput, as_dtype, at_positions, cache_attention,
-                                       cache_visibility,
+from dspark_jax.backbones.base import (Backbone, BackboneOutput, as_dtype, at_positions, cache_visibility,
                                        query_positions, record_taps, taps_to_features, write_rows)
-from dspark_jax.checkpoint.safetensors_io import CheckpointError, open_checkpoint
-from dspark_jax.config import ConfigError, check_field, is_number, read_json_config
-from dspark_jax.nn.linear import Linear, mixed_einsum
+from dspark_jax.nn.attention import KeySegment, grouped_query_attention
+from dspark_jax.nn.linear import mixed_einsum
 from dspark_jax.nn.norm import RMSNorm, rms_norm
 from dspark_jax.nn.params import param
-from dspark_jax.nn.rope import rope_frequencies
+from dspark_jax.nn.qwen3_layer import Qwen3DecoderLayer
+from dspark_jax.validation import ConfigError, check_field, is_number, read_json_config
 
 DTYPES = ("float32", "bfloat16")
 
@@ -181,22 +181,6 @@ def _rope_theta(raw: dict) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Math
-# ---------------------------------------------------------------------------------------------------
-
-
-def apply_rope_split_half(x: jax.Array, positions: jax.Array, *, theta: float) -> jax.Array:
-    """RoPE over the whole last axis, split-half convention: dims i and i + d/2 form a pair rotated by
-    pos * theta^(-2i/d) (Llama / Qwen3 "rotate_half"). `positions` broadcasts against x.shape[:-1]."""
-    d = x.shape[-1]
-    angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(d, theta)  # [..., d/2]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-# ---------------------------------------------------------------------------------------------------
 # Modules
 # ---------------------------------------------------------------------------------------------------
 
@@ -207,45 +191,22 @@ class Qwen3Cache(NamedTuple):
     v: jax.Array  # [L, B, S, Hkv, hd]
 
 
-class _Layer(nn.Module):
+class _Layer(Qwen3DecoderLayer):
     """One decoder layer as a scan body: carry = (x, k cache, v cache, tap buffer)."""
 
-    cfg: Qwen3Config
-    tap_states: tuple[int, ...]
+    tap_states: tuple[int, ...] = ()
 
-    def setup(self):
-        c = self.cfg
-        lin = dict(param_dtype=c.param_dtype, compute_dtype=c.compute_dtype)
-        h, kv, hd, d, f = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size, c.intermediate_size
-        self.attn_norm = RMSNorm(d, c.rms_norm_eps, c.param_dtype)
-        self.q_proj = Linear(d, h * hd, ("embed", "heads"), **lin)
-        self.k_proj = Linear(d, kv * hd, ("embed", "kv_heads"), **lin)
-        self.v_proj = Linear(d, kv * hd, ("embed", "kv_heads"), **lin)
-        self.o_proj = Linear(h * hd, d, ("heads", "embed"), **lin)
-        self.q_norm = RMSNorm(hd, c.rms_norm_eps, c.param_dtype, axis_name="head_dim")
-        self.k_norm = RMSNorm(hd, c.rms_norm_eps, c.param_dtype, axis_name="head_dim")
-        self.ffn_norm = RMSNorm(d, c.rms_norm_eps, c.param_dtype)
-        self.gate_proj = Linear(d, f, ("embed", "mlp"), **lin)
-        self.up_proj = Linear(d, f, ("embed", "mlp"), **lin)
-        self.down_proj = Linear(f, d, ("mlp", "embed"), **lin)
-
-    def __call__(self, carry, layer, positions, visible, written):
-        c = self.cfg
+    def __call__(self, carry, layer, positions, visible):
         x, k_all, v_all, taps = carry
         taps = record_taps(taps, x, layer, self.tap_states)
-        b, t, _ = x.shape
-        h = self.attn_norm(x)
-        q = self.q_norm(self.q_proj(h).reshape(b, t, c.num_attention_heads, c.head_dim))
-        k = self.k_norm(self.k_proj(h).reshape(b, t, c.num_key_value_heads, c.head_dim))
-        v = self.v_proj(h).reshape(b, t, c.num_key_value_heads, c.head_dim)
-        q = apply_rope_split_half(q, positions[..., None], theta=c.rope_theta)
-        k = apply_rope_split_half(k, positions[..., None], theta=c.rope_theta)
-        k_all = write_rows(k_all, layer, k, positions)
-        v_all = write_rows(v_all, layer, v, positions)
-        o = cache_attention(q, k_all[layer], v_all[layer], visible, written, scale=c.head_dim ** -0.5)
-        x = x + self.o_proj(o.reshape(b, t, -1))
-        h = self.ffn_norm(x)
-        x = x + self.down_proj(jax.nn.silu(self.gate_proj(h)) * self.up_proj(h))
+
+        def attend(q, k, v):  # write this call's rows, then attend over the layer's cache
+            k_cache, v_cache = write_rows(k_all, layer, k, positions), write_rows(v_all, layer, v, positions)
+            o = grouped_query_attention(q, [KeySegment(k_cache[layer], v_cache[layer], visible)],
+                                        scale=self.cfg.head_dim ** -0.5)
+            return o, (k_cache, v_cache)
+
+        x, (k_all, v_all) = self.residual(x, positions, attend)
         return (x, k_all, v_all, taps), None
 
 
@@ -263,14 +224,13 @@ class _Qwen3(nn.Module):
         x = jnp.take(embed, tokens, axis=0).astype(cd)
         positions = query_positions(length, t)
         max_len = k_cache.shape[2]
-        visible, written = cache_visibility(positions, max_len)
+        visible = cache_visibility(positions, max_len)
         taps = jnp.zeros((len(self.tap_states), b, t, c.hidden_size), cd)
         layers = nn.scan(_Layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_hidden_layers,
+                         in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_hidden_layers,
                          metadata_params={nn.PARTITION_NAME: "layers"})
         (x, k_cache, v_cache, taps), _ = layers(c, self.tap_states, name="layers")(
-            (x, k_cache, v_cache, taps), jnp.arange(c.num_hidden_layers, dtype=jnp.int32), positions, visible,
-            written)
+            (x, k_cache, v_cache, taps), jnp.arange(c.num_hidden_layers, dtype=jnp.int32), positions, visible)
         taps = record_taps(taps, x, c.num_hidden_layers, self.tap_states)
         x = at_positions(x, logits_at)
         x = RMSNorm(c.hidden_size, c.rms_norm_eps, c.param_dtype, name="norm")(x)
@@ -352,101 +312,19 @@ def _check_cache_args(batch, max_len, max_positions):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Hugging Face checkpoint loading (the name map is data: HF name -> (our path, HF shape, transform))
+# Hugging Face checkpoints: the name table and loader live in dspark_jax.checkpoint.qwen3_hf
 # ---------------------------------------------------------------------------------------------------
 
-
-def transposed(w: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(w.T)
+_MOVED_TO_CHECKPOINT = ("load_qwen3_hf", "hf_layer_map", "hf_expected_shapes", "transposed", "unchanged")
 
 
-def unchanged(w: np.ndarray) -> np.ndarray:
-    return w
+def __getattr__(name: str):
+    """Deprecated aliases: the Hugging Face name table and loader moved to `dspark_jax.checkpoint.qwen3_hf`
+    (model modules do not import checkpoint/; it is imported here only when an old name is asked for)."""
+    if name in _MOVED_TO_CHECKPOINT:
+        warnings.warn(f"dspark_jax.backbones.qwen3.{name} moved to dspark_jax.checkpoint.qwen3_hf.{name}",
+                      DeprecationWarning, stacklevel=2)
+        from dspark_jax.checkpoint import qwen3_hf  # noqa: PLC0415  (lazy: no module-level checkpoint import)
 
-
-def hf_layer_map(cfg: Qwen3Config) -> list[tuple[str, tuple[str, str], tuple[int, ...], Any]]:
-    """Per-layer tensors: (HF suffix after `model.layers.{i}.`, our (module, leaf), HF shape, HF -> ours)."""
-    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    h, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    return [
-        ("input_layernorm.weight", ("attn_norm", "scale"), (d,), unchanged),
-        ("self_attn.q_proj.weight", ("q_proj", "kernel"), (h, d), transposed),
-        ("self_attn.k_proj.weight", ("k_proj", "kernel"), (kv, d), transposed),
-        ("self_attn.v_proj.weight", ("v_proj", "kernel"), (kv, d), transposed),
-        ("self_attn.o_proj.weight", ("o_proj", "kernel"), (d, h), transposed),
-        ("self_attn.q_norm.weight", ("q_norm", "scale"), (hd,), unchanged),
-        ("self_attn.k_norm.weight", ("k_norm", "scale"), (hd,), unchanged),
-        ("post_attention_layernorm.weight", ("ffn_norm", "scale"), (d,), unchanged),
-        ("mlp.gate_proj.weight", ("gate_proj", "kernel"), (f, d), transposed),
-        ("mlp.up_proj.weight", ("up_proj", "kernel"), (f, d), transposed),
-        ("mlp.down_proj.weight", ("down_proj", "kernel"), (d, f), transposed),
-    ]
-
-
-def hf_expected_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """Every tensor name a Qwen3 checkpoint of this config must hold, with its shape."""
-    out = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "model.norm.weight": (cfg.hidden_size,)}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
-    for i in range(cfg.num_hidden_layers):
-        for suffix, _, shape, _ in hf_layer_map(cfg):
-            out[f"model.layers.{i}.{suffix}"] = shape
-    return out
-
-
-def load_qwen3_hf(path: str | Path, **overrides) -> tuple[Qwen3Config, dict]:
-    """Load a Hugging Face Qwen3 checkpoint folder (config.json + model.safetensors, or sharded with
-    model.safetensors.index.json) -> (config, params). Strict: a missing, unexpected or mis-shaped tensor
-    raises `CheckpointError` naming it. `overrides` set config fields (e.g. param_dtype="bfloat16")."""
-    path = Path(path)
-    cfg = Qwen3Config.from_hf_json(path / "config.json", **overrides)
-    reader = open_checkpoint(path)
-    want = hf_expected_shapes(cfg)
-    names = set(reader.names)
-    extra = sorted(names - set(want))
-    tied_extra = cfg.tie_word_embeddings and "lm_head.weight" in names
-    if tied_extra:
-        # Some exporters store the tied head anyway; accept it only if it IS the embedding.
-        extra.remove("lm_head.weight")
-        if not np.array_equal(reader.view("lm_head.weight"), reader.view("model.embed_tokens.weight")):
-            raise CheckpointError(f"{path}: tensor 'lm_head.weight' differs from 'model.embed_tokens.weight' "
-                                  "but config.json says tie_word_embeddings=true")
-    missing = sorted(set(want) - names)
-    if missing:
-        raise CheckpointError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint, e.g. "
-                              f"{', '.join(repr(n) for n in missing[:5])}")
-    if extra:
-        raise CheckpointError(f"{path}: {len(extra)} unexpected tensor(s) in the checkpoint, e.g. "
-                              f"{', '.join(repr(n) for n in extra[:5])}")
-    for name, shape in want.items():
-        got = tuple(reader.info(name).shape)
-        if got != shape:
-            raise CheckpointError(f"{path}: tensor '{name}' has shape {list(got)}, expected {list(shape)}")
-
-    pd = np.dtype(as_dtype(cfg.param_dtype))
-
-    def read(name, transform=unchanged):
-        dtype = reader.info(name).dtype
-        if dtype not in ("F32", "F16", "BF16"):
-            raise CheckpointError(f"{path}: tensor '{name}' has dtype {dtype}, expected F32, F16 or BF16")
-        return transform(np.asarray(reader.view(name), np.float32)).astype(pd)
-
-    layers: dict[str, dict[str, np.ndarray]] = {}
-    for suffix, (mod, leaf), _, transform in hf_layer_map(cfg):
-        stacked = np.stack([read(f"model.layers.{i}.{suffix}", transform) for i in range(cfg.num_hidden_layers)])
-        layers.setdefault(mod, {})[leaf] = stacked
-    params = {"embed": read("model.embed_tokens.weight"), "layers": layers,
-              "norm": {"scale": read("model.norm.weight")}}
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = read("lm_head.weight")
-    params = jax.tree.map(jnp.asarray, params)
-    _check_tree(params, Qwen3Backbone(cfg).abstract_params())
-    return cfg, params
-
-
-def _check_tree(params, abstract) -> None:
-    """Our own mapping bug guard: the loaded tree must match the module's exactly."""
-    got = jax.tree.map(lambda a: (a.shape, a.dtype), params)
-    want = jax.tree.map(lambda a: (a.shape, a.dtype), abstract)
-    if got != want:
-        raise AssertionError(f"loaded Qwen3 params do not match the module's tree:\n{got}\nvs\n{want}")
+        return getattr(qwen3_hf, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,6 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
+# checkpoint/ and drafts/ import jax: they are imported inside functions, so `dspark bench convert --help` and
+# its argument errors answer without importing jax; each phase process imports what it needs before it
+# reads its baseline RSS (the orbax phase alone imports jax, orbax and convert_cli).
+
 ALLOWANCE = 64 << 20
 MiB = 1 << 20
 
@@ -47,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bench_config(stages: int, experts: int):
-    from dspark_jax.config import DSparkConfig  # noqa: PLC0415
+    from dspark_jax.drafts.v41.config import DSparkConfig  # noqa: PLC0415  (jax)
 
     # V4.1-Flash has a vision tower, so its routers carry `ffn.gate.bias_vl` (3 of its 2,401 draft tensors).
     return DSparkConfig().replace(n_layers=stages, n_routed_experts=experts,
@@ -60,7 +64,7 @@ def bench_config(stages: int, experts: int):
 def _random_tensor(rng: np.random.Generator, dtype: str, shape: tuple[int, ...], scale_for: str | None = None):
     import ml_dtypes  # noqa: PLC0415
 
-    from dspark_jax.checkpoint.safetensors_io import DTYPES, stored_shape  # noqa: PLC0415
+    from dspark_jax.checkpoint.safetensors_io import DTYPES, stored_shape  # noqa: PLC0415  (jax)
 
     shp = stored_shape(dtype, shape)
     n = int(np.prod(shp))
@@ -80,8 +84,8 @@ def _random_tensor(rng: np.random.Generator, dtype: str, shape: tuple[int, ...],
 def write_synthetic_v41(out_dir: Path, cfg, *, with_tied: bool, max_shard_bytes: int, seed: int = 0,
                         progress: bool = False) -> dict:
     """A V4.1-layout checkpoint (official storage formats) with random contents; returns its stats."""
-    from dspark_jax.checkpoint import v41  # noqa: PLC0415
-    from dspark_jax.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec, write_index  # noqa: PLC0415
+    from dspark_jax.checkpoint import v41  # noqa: PLC0415  (jax)
+    from dspark_jax.checkpoint.safetensors_io import SafetensorsWriter, TensorSpec, write_index  # noqa: PLC0415  (jax)
 
     rng = np.random.default_rng(seed)
     groups = []
@@ -140,15 +144,15 @@ def _dir_bytes(p: Path) -> int:
 
 def _phase_main(phase: str, kw: dict, q) -> None:
     try:
-        from dspark_jax.checkpoint import v41  # noqa: PLC0415
-        from dspark_jax.config import DSparkConfig  # noqa: PLC0415
+        from dspark_jax.checkpoint import v41  # noqa: PLC0415  (jax; before the baseline RSS)
+        from dspark_jax.drafts.v41.config import DSparkConfig  # noqa: PLC0415  (jax)
 
         cfg = DSparkConfig.from_dict(kw["cfg"])
         if phase == "orbax":
             import jax  # noqa: PLC0415, F401
             import orbax.checkpoint  # noqa: PLC0415, F401
 
-            from dspark_jax.checkpoint.convert_cli import safetensors_to_orbax  # noqa: PLC0415
+            from dspark_jax.checkpoint.convert_cli import safetensors_to_orbax  # noqa: PLC0415  (orbax phase only)
         base = max(_rss(), _peak_rss())
         t0 = time.perf_counter()
         extra = {}
@@ -269,7 +273,7 @@ def _print_table(results: dict) -> None:
 
 
 def _estimate_bytes(cfg, with_tied: bool) -> dict:
-    from dspark_jax.checkpoint import v41  # noqa: PLC0415
+    from dspark_jax.checkpoint import v41  # noqa: PLC0415  (jax)
 
     fp8 = bf16 = 0
     for it in v41.expand_table(cfg):

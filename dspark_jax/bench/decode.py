@@ -31,12 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax import draft as draft_lib
+from dspark_jax import drafts
 from dspark_jax import sampling
 from dspark_jax import spec_round as sr
+from dspark_jax.bench import peer as peer_lib
 from dspark_jax.serve import decode_state as ds
 from dspark_jax.serve.cli_common import add_model_arguments, load_model
-from dspark_jax.serve.engine import Engine, EngineConfig, Request
+from dspark_jax.serve.engine import Engine, EngineConfig, Metrics, Request
+from dspark_jax.serve.profile import profile_cost_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,7 +90,7 @@ def split_times(model: sr.SpecModel, weights: sr.Weights, batch: int, repeats: i
     prompt = jnp.ones((batch, 16), jnp.int32)
     state, _ = jax.jit(sr.start, static_argnums=0)(model, weights, state, prompt, jnp.full((batch,), 16),
                                                     jnp.ones(batch, bool), sp, seeds)
-    prop = jax.jit(lambda w, s: draft_lib.propose(w.draft, w.tied, model.cfg, s.draft, s.anchor, sp, seeds,
+    prop = jax.jit(lambda w, s: drafts.propose(w.draft, w.tied, model.cfg, s.draft, s.anchor, sp, seeds,
                                                   impl=model.impl, filtering=False))
     toks = jnp.ones((batch, k + 1), jnp.int32)
     ver = jax.jit(lambda w, s: sr.backbone_forward(model, w.backbone, s.cache, toks))
@@ -151,8 +153,6 @@ def compiled_programs() -> int:
 def timed_engine(model, weights, config: EngineConfig, requests, table=None, runs: int = 3):
     """Warm up an engine on the requests, then serve them `runs` more times: -> (results, Metrics of the
     fastest run; a shared CPU's slow spells move single runs by 20-40%)."""
-    from dspark_jax.serve.engine import Metrics
-
     engine = Engine(model, weights, config, cost_table=table)
     engine.generate(requests)
     best, compiled = None, compiled_programs()
@@ -172,8 +172,6 @@ def run(args: argparse.Namespace) -> int:
     model, weights = bundle.model, bundle.weights
     peer = None
     if args.peer == "transformers":
-        from dspark_jax.bench import peer as peer_lib
-
         reason = peer_lib.available()
         if reason is None and bundle.backbone_family != "qwen3":
             reason = f"the peer runs Qwen3 backbones; this bundle's is {bundle.backbone_family!r}"
@@ -204,8 +202,6 @@ def run(args: argparse.Namespace) -> int:
                    occupancy=m_s.request_rounds / max(m_s.rounds * b, 1))
         row["plain_vs_fori"] = row["plain_tok_s"] / row["fori_tok_s"]
         if not args.no_async:
-            from dspark_jax.serve.profile import profile_cost_table
-
             table = profile_cost_table(model, weights, slots=b, max_len=args.max_len, progress=False)
             res_a, m_a = timed_engine(model, weights, EngineConfig(mode="async", **base), reqs, table)
             row["same_tokens"] &= all(r.tokens == a.tokens for r, a in zip(res_p, res_a))

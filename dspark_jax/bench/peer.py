@@ -1,7 +1,7 @@
 """The "peer" half of `dspark bench decode`: the same Qwen3 backbone in Hugging Face transformers.
 
 `to_transformers` copies our `Qwen3Backbone` params into a `transformers.Qwen3ForCausalLM` (the inverse
-of `dspark_jax.backbones.qwen3.load_qwen3_hf`, driven by the same `hf_layer_map` table), and
+of `dspark_jax.checkpoint.qwen3_hf.load_qwen3_hf`, driven by the same `hf_layer_map` table), and
 `greedy_generate` decodes a batch with HF's own `generate` (greedy, static KV cache, optionally
 torch.compile'd), so the bench can print transformers tokens/s next to ours for identical weights.
 
@@ -29,9 +29,10 @@ from typing import Any
 import numpy as np
 
 from dspark_jax.backbones import qwen3 as qwen3_lib
+from dspark_jax.checkpoint import qwen3_hf
 
 # The attention kernel of the converted model. "sdpa" is transformers' default (what a user of HF gets, and
-# the fastest on CPU); left padding is exact with it (checked by tests/test_peer.py). Change it on a model
+# the fastest on CPU); left padding is exact with it (checked by tests/bench/test_peer.py). Change it on a model
 # with `model.set_attn_implementation("eager")`.
 ATTN_IMPLEMENTATION = "sdpa"
 
@@ -42,7 +43,7 @@ COMPILE_MODES = ("reduce-overhead", "default")
 TORCH_DTYPES = ("float32", "bfloat16")
 
 # Our -> HF transform for each HF -> ours transform `hf_layer_map` uses (both are their own inverse).
-_INVERSE = {qwen3_lib.transposed: qwen3_lib.transposed, qwen3_lib.unchanged: qwen3_lib.unchanged}
+_INVERSE = {qwen3_hf.transposed: qwen3_hf.transposed, qwen3_hf.unchanged: qwen3_hf.unchanged}
 
 
 def available() -> str | None:
@@ -82,13 +83,13 @@ def hf_tensor_table(cfg: qwen3_lib.Qwen3Config) -> list[tuple[str, tuple[str, ..
     Per-layer rows come from `hf_layer_map` (our leaf is stacked on a leading layers axis; the path ends
     with the layer index). With tied embeddings HF has no separate `lm_head.weight` parameter."""
     v, d = cfg.vocab_size, cfg.hidden_size
-    same = qwen3_lib.unchanged
+    same = qwen3_hf.unchanged
     rows = [("model.embed_tokens.weight", ("embed",), (v, d), same),
             ("model.norm.weight", ("norm", "scale"), (d,), same)]
     if not cfg.tie_word_embeddings:
         rows.append(("lm_head.weight", ("lm_head",), (v, d), same))
     for i in range(cfg.num_hidden_layers):
-        for suffix, (mod, leaf), shape, to_ours in qwen3_lib.hf_layer_map(cfg):
+        for suffix, (mod, leaf), shape, to_ours in qwen3_hf.hf_layer_map(cfg):
             if to_ours not in _INVERSE:
                 raise NotImplementedError(f"peer: no inverse registered for the transform of '{suffix}' "
                                           f"({to_ours!r}); add it to _INVERSE")

@@ -25,6 +25,9 @@ import numpy as np
 
 from dspark_jax.serve.cli_common import add_model_arguments, load_model
 
+# The engine modules import jax: they are imported inside the functions that run the benchmark, so
+# `dspark bench serve --help` and its argument errors answer without importing jax.
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
@@ -48,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def workload(bundle, n: int, args, seed: int = 0):
     """n requests with mixed prompt and output lengths (seeded: every engine gets the same ones)."""
-    from dspark_jax.bench.decode import bench_prompts
-    from dspark_jax.serve.engine import Request
+    from dspark_jax.bench.decode import bench_prompts  # noqa: PLC0415  (jax)
+    from dspark_jax.serve.engine import Request  # noqa: PLC0415  (jax)
 
     rng = np.random.default_rng(seed)
     prompts = bench_prompts(bundle, n, max_prompt_tokens=args.max_prompt)
@@ -63,7 +66,7 @@ def workload(bundle, n: int, args, seed: int = 0):
 
 def closed_loop(engine, requests, concurrency: int) -> float:
     """Serve `requests` keeping `concurrency` in flight (a finish submits the next); -> wall seconds."""
-    from dspark_jax.serve.engine import Metrics
+    from dspark_jax.serve.engine import Metrics  # noqa: PLC0415  (jax)
 
     engine.metrics = Metrics(engine.k)
     queue = list(requests)
@@ -80,13 +83,13 @@ def closed_loop(engine, requests, concurrency: int) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark_jax.bench.decode import compiled_programs
-    from dspark_jax.serve.engine import Engine, EngineConfig
-    from dspark_jax.serve.profile import cached_cost_table
+    from dspark_jax.bench.decode import compiled_programs  # noqa: PLC0415  (jax)
+    from dspark_jax.serve.engine import Engine, EngineConfig  # noqa: PLC0415  (jax)
+    from dspark_jax.serve.profile import cached_cost_table  # noqa: PLC0415  (jax)
 
     bundle = load_model(args)
     if args.http:
-        from dspark_jax.bench.serve_http import run_http
+        from dspark_jax.bench.serve_http import run_http  # noqa: PLC0415  (jax, fastapi; only with --http)
 
         rows = run_http(args, bundle, [int(x) for x in args.concurrency.split(",")], workload)
         if args.json:
@@ -145,16 +148,16 @@ def print_table(rows, statics) -> None:
         cells = " ".join(f"{r['tok_s'][n]:>7.0f} ({r['mean_verify'][n]:>3.1f})" for n in names)
         print(f"{r['concurrency']:>4} {cells} {r['tok_s']['async'] / best:>17.2f} "
               f"{r['tok_s']['async'] / r['tok_s']['plain']:>11.2f}")
-    import jax
+    import jax  # noqa: PLC0415
 
     print(f"({jax.devices()[0].platform.upper()} figures; closed loop; each engine's best of the timed runs after a compile run)")
 
 
 def plot(rows, path) -> None:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415  (heavy; only with --plot)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     conc = [r["concurrency"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))

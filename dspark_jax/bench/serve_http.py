@@ -17,7 +17,15 @@ import json
 import threading
 import time
 
+import httpx
+import jax
 import numpy as np
+
+from dspark_jax.serve.engine import Engine, EngineConfig
+from dspark_jax.serve.http import ThreadedServer, create_app
+from dspark_jax.serve.loop import EngineLoop
+from dspark_jax.serve.metrics import ServerMetrics
+from dspark_jax.serve.profile import cached_cost_table
 
 MODES = ("plain", "async")
 
@@ -68,8 +76,6 @@ def stream_one(client, url: str, body: dict) -> Outcome:
 
 
 def closed_loop_http(url: str, requests, concurrency: int, timeout: float) -> tuple[list[Outcome], float]:
-    import httpx
-
     todo = list(enumerate(requests))
     lock = threading.Lock()
     results: list[Outcome | None] = [None] * len(todo)
@@ -111,14 +117,6 @@ def summarize(outcomes: list[Outcome], wall: float) -> dict:
 
 
 def run_http(args, bundle, concurrencies, workload) -> list[dict]:
-    from dspark_jax.serve.engine import Engine, EngineConfig
-    import jax
-
-    from dspark_jax.serve.http import ThreadedServer, create_app
-    from dspark_jax.serve.loop import EngineLoop
-    from dspark_jax.serve.metrics import ServerMetrics
-    from dspark_jax.serve.profile import cached_cost_table
-
     rows = []
     for c in concurrencies:
         reqs = workload(bundle, c * args.requests_per_client, args)
@@ -157,8 +155,6 @@ def run_http(args, bundle, concurrencies, workload) -> list[dict]:
 
 
 def print_http_table(rows) -> None:
-    import jax
-
     print("\nover HTTP (SSE, loopback): tokens/s, time to first token and inter-token latency p50 / p99 (ms)")
     print(f"{'conc':>4} {'mode':>6} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
           f"{'complete':>9} {'verify':>6}")

@@ -54,10 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config_for(args, src_is_orbax: bool):
-    from dspark_jax.config import DSparkConfig  # noqa: PLC0415
+    from dspark_jax import drafts  # noqa: PLC0415
 
     if args.config is not None:
-        return DSparkConfig.from_json(args.config)
+        return drafts.load_config(args.config)
     if src_is_orbax:
         from dspark_jax.checkpoint.orbax_io import saved_config  # noqa: PLC0415
 
@@ -67,7 +67,7 @@ def _config_for(args, src_is_orbax: bool):
     folder = args.src if args.src.is_dir() else args.src.parent
     for name in ("config.json", "dspark_config.json"):
         if (folder / name).is_file():
-            return DSparkConfig.from_json(folder / name)
+            return drafts.load_config(folder / name)
     raise CheckpointError(f"no config: pass --config (none stored with {args.src}, no config.json beside it)")
 
 
@@ -97,6 +97,7 @@ def safetensors_to_orbax(src, cfg, dst, *, dtype="bfloat16", with_tied=True, tie
 
 
 def convert(args) -> str:
+    from dspark_jax import drafts  # noqa: PLC0415
     from dspark_jax.checkpoint import orbax_io, v41  # noqa: PLC0415
 
     src_is_orbax = orbax_io.is_orbax_checkpoint(args.src)
@@ -106,8 +107,8 @@ def convert(args) -> str:
     if args.dst.resolve() == src_dir or src_dir.is_relative_to(args.dst.resolve()):
         raise CheckpointError(f"{args.dst}: the output folder must not contain the input {args.src}")
     cfg = _config_for(args, src_is_orbax)
-    family = args.family or ("deepspec" if getattr(cfg, "family", None) == "qwen3" else "v41")
-    if family == "deepspec":
+    layout = args.family or drafts.family_of(cfg).checkpoint_format  # --family names a checkpoint layout
+    if layout == "deepspec":
         return convert_deepspec(args, cfg, src_is_orbax)
     if args.to in ("f32", "bundle") or args.backbone is not None:
         raise CheckpointError(f"--to {args.to} / --backbone are for DeepSpec drafts (--family deepspec); V4.1 "
@@ -149,7 +150,7 @@ def convert(args) -> str:
 def convert_deepspec(args, cfg, src_is_orbax: bool) -> str:
     """The DeepSpec (`Qwen3DSparkModel`) conversions; see the module docstring."""
     from dspark_jax.checkpoint import deepspec, orbax_io  # noqa: PLC0415
-    from dspark_jax.deepspec import DeepSpecConfig  # noqa: PLC0415
+    from dspark_jax.drafts.deepspec.config import DeepSpecConfig  # noqa: PLC0415
 
     if not isinstance(cfg, DeepSpecConfig):
         raise CheckpointError(f"--family deepspec needs a DeepSpec config (architectures [\"Qwen3DSparkModel\"]), "
@@ -193,9 +194,10 @@ def _deepspec_bundle(args, cfg) -> str:
 
     import numpy as np  # noqa: PLC0415
 
-    from dspark_jax.backbones.qwen3 import Qwen3Backbone, load_qwen3_hf  # noqa: PLC0415
+    from dspark_jax.backbones.qwen3 import Qwen3Backbone  # noqa: PLC0415
     from dspark_jax.bundle import save_bundle  # noqa: PLC0415
     from dspark_jax.checkpoint import deepspec  # noqa: PLC0415
+    from dspark_jax.checkpoint.qwen3_hf import load_qwen3_hf  # noqa: PLC0415
 
     dt = args.dtype
     bcfg, bparams = load_qwen3_hf(args.backbone, param_dtype=dt, compute_dtype=dt)

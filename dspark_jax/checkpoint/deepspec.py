@@ -1,5 +1,5 @@
 """DeepSpec DSpark drafts for Qwen3 targets (`Qwen3DSparkModel`, e.g. deepseek-ai/dspark_qwen3_8b_block7)
-<-> our parameter tree (`dspark_jax.deepspec`), as data plus a strict loader, an exporter and a
+<-> our parameter tree (`dspark_jax.drafts.deepspec`), as data plus a strict loader, an exporter and a
 streaming safetensors -> safetensors converter.
 
 A DeepSpec checkpoint folder holds `config.json` (see `DeepSpecConfig`) and `model.safetensors` (or
@@ -28,7 +28,7 @@ import numpy as np
 from dspark_jax.checkpoint.safetensors_io import (
     CheckpointError, CheckpointReader, SafetensorsWriter, TensorSpec, open_checkpoint,
 )
-from dspark_jax.checkpoint.trees import match_table, unflatten_paths
+from dspark_jax.checkpoint.trees import check_tree, flatten_paths, match_table, unflatten_paths
 
 TIED = {"embed": "embed_tokens.weight", "head": "lm_head.weight"}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -51,6 +51,7 @@ class Entry:
 def _q(c): return c.num_attention_heads * c.head_dim
 def _kv(c): return c.num_key_value_heads * c.head_dim
 def _has_markov(c): return c.markov_rank > 0
+def _head_is(kind): return lambda c: c.markov_rank > 0 and c.markov_head_type.strip().lower() == kind
 def _has_conf(c): return c.enable_confidence_head
 
 
@@ -76,6 +77,13 @@ DEEPSPEC_TABLE: tuple[Entry, ...] = (
           _has_markov),
     Entry("markov/head", "markov_head.markov_w2.weight", "copy", lambda c: (c.vocab_size, c.markov_rank),
           _has_markov),
+    # The gated / recurrent Markov heads (SPEC 4.1); full names: each decoder layer has an `mlp.gate_proj` too.
+    Entry("markov/gate/kernel", "markov_head.gate_proj.weight", "T",
+          lambda c: (c.markov_rank, c.hidden_size + c.markov_rank), _head_is("gated")),
+    Entry("markov/gate/bias", "markov_head.gate_proj.bias", "copy", lambda c: (c.markov_rank,), _head_is("gated")),
+    Entry("markov/joint/kernel", "markov_head.joint_proj.weight", "T",
+          lambda c: (3 * c.markov_rank, 2 * c.markov_rank + c.hidden_size), _head_is("rnn")),
+    Entry("markov/joint/bias", "markov_head.joint_proj.bias", "copy", lambda c: (3 * c.markov_rank,), _head_is("rnn")),
     Entry("confidence/kernel", "confidence_head.proj.weight", "row", lambda c: (1, c.confidence_in_dim), _has_conf),
     Entry("confidence/bias", "confidence_head.proj.bias", "copy", lambda c: (1,), _has_conf),
 )
@@ -124,19 +132,15 @@ def expected_tensors(cfg) -> dict[str, tuple[int, ...]]:
 
 
 def check_table_against_draft(cfg) -> None:
-    """The table and `dspark_jax.deepspec.param_specs` must describe the same tree (our own guard)."""
-    from dspark_jax.deepspec import param_specs  # noqa: PLC0415
+    """The table and the DeepSpec draft module must describe the same tree (our own guard)."""
+    from dspark_jax.drafts.deepspec.model import abstract_params  # noqa: PLC0415
 
-    want = {p: s for p, (s, _, _) in param_specs(cfg).items()}
-    have = {it.path: it.our_shape for it in expand_table(cfg)}
-    if want != have:
-        raise AssertionError(f"DeepSpec checkpoint table and dspark_jax.deepspec.param_specs disagree:\n"
-                             f"table only: {sorted(set(have) - set(want))}\nmodule only: {sorted(set(want) - set(have))}\n"
-                             f"shapes: {[(p, have[p], want[p]) for p in have if p in want and have[p] != want[p]]}")
+    check_tree(flatten_paths(abstract_params(cfg)), {it.path: it.our_shape for it in expand_table(cfg)},
+               "the DeepSpec draft module vs its checkpoint table", noun="param")
 
 
 def _config(cfg_or_path, **overrides):
-    from dspark_jax.deepspec import DeepSpecConfig  # noqa: PLC0415
+    from dspark_jax.drafts.deepspec.config import DeepSpecConfig  # noqa: PLC0415
 
     if isinstance(cfg_or_path, DeepSpecConfig):
         return cfg_or_path.replace(**overrides) if overrides else cfg_or_path

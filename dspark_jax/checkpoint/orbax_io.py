@@ -15,8 +15,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
+from dspark_jax import drafts
 from dspark_jax.checkpoint.safetensors_io import CheckpointError
 
 CONFIG_KEY = "dspark_config"
@@ -56,8 +58,6 @@ def save_params(path: str | os.PathLike, params: Any, *, config=None, overwrite:
 def to_device_leafwise(tree: dict) -> dict:
     """Replace the numpy leaves of a nested dict by jax arrays IN PLACE, one leaf at a time, so the
     tree is never held twice. Returns the same dict."""
-    import jax  # noqa: PLC0415
-
     for k, v in tree.items():
         if isinstance(v, dict):
             to_device_leafwise(v)
@@ -68,8 +68,6 @@ def to_device_leafwise(tree: dict) -> dict:
 
 
 def _flat(tree, is_leaf=None) -> dict[tuple, Any]:
-    import jax  # noqa: PLC0415
-
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     return {tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in kp): v
             for kp, v in leaves}
@@ -90,16 +88,12 @@ def checkpoint_metadata(path: str | os.PathLike):
 
 def saved_config(path: str | os.PathLike):
     """The DSparkConfig stored by `save_params(..., config=cfg)`, or None."""
-    from dspark_jax.config import DSparkConfig  # noqa: PLC0415
-
     _, custom = checkpoint_metadata(path)
     raw = custom.get(CONFIG_KEY)
-    return DSparkConfig.from_dict(raw) if raw else None
+    return drafts.config_from_dict(raw) if raw else None
 
 
 def restore_params(path: str | os.PathLike, target: Any = None) -> Any:
-    import jax  # noqa: PLC0415
-
     ocp = _ocp()
     path = Path(path).absolute()
     meta_tree, _ = checkpoint_metadata(path)

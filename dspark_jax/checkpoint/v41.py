@@ -30,8 +30,8 @@ from dspark_jax.checkpoint import formats
 from dspark_jax.checkpoint.safetensors_io import (
     CheckpointError, CheckpointReader, SafetensorsWriter, TensorSpec, open_checkpoint, write_index,
 )
-from dspark_jax.checkpoint.trees import match_table, unflatten_paths
-from dspark_jax.config import DSparkConfig
+from dspark_jax.checkpoint.trees import check_tree, flatten_paths, match_table, unflatten_paths
+from dspark_jax.drafts.v41.config import DSparkConfig
 
 PREFIX = "mtp"
 TIED = {"embed": "embed.weight", "head": "head.weight"}
@@ -176,6 +176,10 @@ class Item:
 
 def expand_table(cfg: DSparkConfig) -> list[Item]:
     """The table instantiated for `cfg`: every leaf of our tree in checkpoint order."""
+    if cfg.markov_rank and cfg.markov_head_type.strip().lower() != "vanilla":
+        raise CheckpointError(f"the V4.1 checkpoint layout (mtp.*) has only the vanilla Markov head; this draft's "
+                              f"markov_head_type is {cfg.markov_head_type!r}: save it as a bundle or an Orbax "
+                              f"checkpoint (dspark convert --to orbax) instead")
     items = []
     last = cfg.n_layers - 1
     for s in range(cfg.n_layers):
@@ -203,46 +207,12 @@ def expected_shapes(cfg: DSparkConfig) -> dict[tuple[str, ...], tuple[int, ...]]
 
 
 @functools.lru_cache(maxsize=8)
-def _draft_abstract_shapes(cfg: DSparkConfig) -> dict[tuple[str, ...], tuple[int, ...]] | None:
-    """Leaf shapes from `dspark_jax.draft.abstract_params(cfg)` when the draft module provides it."""
-    try:
-        from dspark_jax import draft  # noqa: PLC0415  (optional, heavy: imports jax/flax)
-    except ModuleNotFoundError as err:
-        if err.name in ("dspark_jax.draft",):
-            return None
-        raise
-    fn = getattr(draft, "abstract_params", None)
-    if fn is None:
-        return None
-    import jax  # noqa: PLC0415
-
-    tree = fn(cfg)
-    if isinstance(tree, Mapping) and set(tree) == {"params"}:
-        tree = tree["params"]
-    flat = {}
-    for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        path = tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in kp)
-        flat[path] = tuple(leaf.shape)
-    return flat
-
-
 def check_table_against_draft(cfg: DSparkConfig) -> None:
-    """The table and the draft module must describe the same tree; raises naming the first disagreement."""
-    draft = _draft_abstract_shapes(cfg)
-    if draft is None:
-        return
-    table = expected_shapes(cfg)
-    only_draft = sorted(set(draft) - set(table))
-    only_table = sorted(set(table) - set(draft))
-    if only_draft or only_table:
-        raise CheckpointError(
-            "dspark_jax.draft.abstract_params and the V4.1 checkpoint table disagree: "
-            f"draft-only leaves {['/'.join(p) for p in only_draft[:5]]}, "
-            f"table-only leaves {['/'.join(p) for p in only_table[:5]]}")
-    for p, shp in table.items():
-        if draft[p] != shp:
-            raise CheckpointError(f"draft parameter '{'/'.join(p)}': draft.abstract_params says {list(draft[p])}, "
-                                  f"the V4.1 table says {list(shp)}")
+    """Our own guard: the table and the draft module (`drafts.v41.model`) describe the same tree."""
+    from dspark_jax.drafts.v41.model import abstract_params  # noqa: PLC0415  (jax; the rest of this module needs none)
+
+    check_tree(flatten_paths(abstract_params(cfg)), expected_shapes(cfg), "the V4.1 draft module vs its checkpoint "
+               "table", noun="param")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,12 +1,20 @@
-"""The V4.1 draft's window-only latent MQA with a per-head sink (SPEC 2.5).
+"""Attention: the one grouped-query attention core, and the V4.1 latent MQA module.
 
-One 512-wide latent per token serves as both key and value for all 64 heads. Keys are the block's
-context ring (the last W backbone positions, written by `context_kv`) plus the K draft rows of the
-current call, which all queries see (the block is bidirectional). The attention core itself is
-`dspark_jax.kernels.window_attention` (Pallas on TPU, jnp elsewhere).
+`grouped_query_attention` is the core every model but the V4.1 draft's window kernel uses: the Qwen3
+backbone and the mHC backbone over their KV caches, the DeepSpec draft over the target's context rows
+plus its own block. Keys come in segments (a cache; or context rows and block rows) that each carry their
+own visibility, so a block's context is never copied once per block.
+
+`WindowAttention` is the V4.1 draft's window-only latent MQA with a per-head sink (SPEC 2.5): one
+512-wide latent per token serves as both key and value for all 64 heads. Keys are the block's context
+ring (the last W backbone positions, written by `kv`) plus the K draft rows of the current call, which
+all queries see (the block is bidirectional). Its core is `dspark_jax.kernels.window_attention`
+(Pallas on TPU, jnp elsewhere); the mHC backbone reuses its parameters over a causal cache.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -20,6 +28,68 @@ from dspark_jax.nn.quant import fp8_quant_dequant
 from dspark_jax.nn.rope import apply_rope_interleaved
 
 
+class KeySegment(NamedTuple):
+    """Keys and values one set of queries attends to, with who sees what.
+
+    k, v [..., S, Hkv, hd] (leading dims broadcast against the queries'; MQA: Hkv = 1, and k may be v);
+    visible bool[..., T, S] or None (every query sees every key). Keys no query of the call can see are
+    zeroed before use: they may hold anything (rolled-back or another request's rows, even inf), and a
+    masked score times an inf value would still leak a NaN."""
+
+    k: jax.Array
+    v: jax.Array
+    visible: jax.Array | None = None
+
+
+def grouped_query_attention(q: jax.Array, segments, *, scale: float, sink: jax.Array | None = None) -> jax.Array:
+    """Softmax attention of q [..., T, H, hd] over the concatenated key segments, f32 math.
+
+    H is a multiple of every segment's Hkv (query head h reads kv head h // (H / Hkv)). `sink` f32[H] is
+    an extra per-head logit in the denominator that carries no value (V4.1). -> o [..., T, H, hd] in q's
+    dtype."""
+    *lead, t, h, hd = q.shape
+    hkv = segments[0].k.shape[-2]
+    f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
+    qg = q.astype(f32).reshape(*lead, t, hkv, h // hkv, hd)
+    scores, values = [], []
+    for seg in segments:
+        k = seg.k.astype(f32)
+        v = k if seg.v is seg.k else seg.v.astype(f32)
+        if seg.visible is not None:
+            seen = _seen_keys(seg.visible, k.shape[:-3])[..., None, None]
+            k = jnp.where(seen, k, 0.0)
+            v = k if seg.v is seg.k else jnp.where(seen, v, 0.0)
+        s = jnp.einsum("...tkgd,...skd->...kgts", qg, k, precision=hi) * scale
+        if seg.visible is not None:
+            s = jnp.where(seg.visible[..., None, None, :, :], s, -jnp.inf)
+        scores.append(s)
+        values.append(v)
+    s = jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
+    m = jnp.max(s, axis=-1, keepdims=True)
+    if sink is not None:
+        sink_ = sink.astype(f32).reshape(hkv, h // hkv, 1, 1)
+        m = jnp.maximum(m, sink_)
+    p = jnp.exp(s - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + jnp.exp(sink_ - m)
+    p = p / denom
+    o, start = 0.0, 0
+    for v in values:
+        n = v.shape[-3]
+        o = o + jnp.einsum("...kgts,...skd->...tkgd", p[..., start:start + n], v, precision=hi)
+        start += n
+    return o.reshape(*lead, t, h, hd).astype(q.dtype)
+
+
+def _seen_keys(visible: jax.Array, key_lead: tuple[int, ...]) -> jax.Array:
+    """bool[..., S]: keys some query sees, reduced over the queries and over every leading dim the keys
+    are broadcast along (a context shared by N blocks is masked once, not copied per block)."""
+    seen = jnp.any(visible, axis=-2)
+    axes = tuple(i for i, (n_k, n_v) in enumerate(zip(key_lead, seen.shape[:-1])) if n_k == 1 and n_v != 1)
+    return jnp.any(seen, axis=axes, keepdims=True) if axes else seen
+
+
 def grouped_out_proj(o: jax.Array, wo_a: jax.Array, compute_dtype) -> jax.Array:
     """o [.., H*hd] -> [.., G*Ol]: each of the G contiguous groups of H*hd/G values has its own map."""
     g = wo_a.shape[0]
@@ -29,7 +99,7 @@ def grouped_out_proj(o: jax.Array, wo_a: jax.Array, compute_dtype) -> jax.Array:
 
 
 class WindowAttention(nn.Module):
-    cfg: "DSparkConfig"  # noqa: F821
+    cfg: Any  # the V4.1 draft's DSparkConfig or the mHC backbone's MhcConfig (the same field names)
     impl: str = "auto"
     fp8_grad: str = "exact"  # gradient through the KV / activation fp8 rounding (nn.quant)
 

@@ -7,15 +7,19 @@ near-doubly-stochastic stream-mixing matrix, made so by Sinkhorn iterations).
 
 "Single pass": the `pre` computed before a sub-layer is used to collapse the input of the NEXT
 sub-layer; the sub-layer itself uses the previous one's `pre` (the draft's first one is one-hot on
-stream 0).
+stream 0). `MhcBlock` is that block (SPEC 2.4), shared by the V4.1 draft and the mHC backbone, which
+differ only in what the attention reads (a window ring, a causal cache) and the FFN (MoE, dense).
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.nn.norm import RMSNorm
 from dspark_jax.nn.params import param
 
 
@@ -87,3 +91,36 @@ class HyperConnection(nn.Module):
         base = param(self, "base", nn.initializers.zeros, (m,), "float32", ("hc_mix",))
         scale = param(self, "scale", nn.initializers.ones, (3,), "float32", (None,))
         return hc_mixes(streams, fn, base, scale, iters=self.iters, eps=self.eps, norm_eps=self.norm_eps)
+
+
+class MhcBlock(nn.Module):
+    """One single-pass mHC block (SPEC 2.4):
+
+        attn_pre, attn_post, attn_comb = hc_mixes(X; hc_attn)
+        y = attn(attn_norm(hc_pre(X, pre_in)));   X = hc_post(y, X, attn_post, attn_comb)
+        ffn_pre, ffn_post, ffn_comb = hc_mixes(X; hc_ffn)
+        y = ffn(ffn_norm(hc_pre(X, attn_pre)));   X = hc_post(y, X, ffn_post, ffn_comb)
+        -> (X, ffn_pre)                           ffn_pre is the next block's pre_in
+
+    This class holds the norms and hyper-connections (`cfg`: dim, hc_mult, hc_sinkhorn_iters, hc_eps,
+    norm_eps, param_dtype); a subclass adds its `attn` and `ffn` in `setup` and calls `mix`."""
+
+    cfg: Any
+
+    def setup(self):
+        c = self.cfg
+        hc = dict(hc=c.hc_mult, dim=c.dim, iters=c.hc_sinkhorn_iters, eps=c.hc_eps, norm_eps=c.norm_eps)
+        self.attn_norm = RMSNorm(c.dim, c.norm_eps, c.param_dtype)
+        self.ffn_norm = RMSNorm(c.dim, c.norm_eps, c.param_dtype)
+        self.hc_attn = HyperConnection(**hc)
+        self.hc_ffn = HyperConnection(**hc)
+
+    def mix(self, streams: jax.Array, pre_in: jax.Array, attend: Callable) -> tuple[jax.Array, jax.Array, Any]:
+        """streams [.., hc, D] -> (streams, ffn_pre, aux); attend(x [.., D]) -> (y [.., D], aux) runs the
+        attention sub-layer on its normed input, `self.ffn` the FFN."""
+        attn_pre, attn_post, attn_comb = self.hc_attn(streams)
+        y, aux = attend(self.attn_norm(hc_pre(streams, pre_in)))
+        streams = hc_post(y, streams, attn_post, attn_comb)
+        ffn_pre, ffn_post, ffn_comb = self.hc_ffn(streams)
+        y = self.ffn(self.ffn_norm(hc_pre(streams, attn_pre)))
+        return hc_post(y, streams, ffn_post, ffn_comb), ffn_pre, aux

@@ -1,6 +1,9 @@
-"""Rotary position embedding on the trailing `rope_dim` dims, interleaved-pair (complex) convention.
+"""Rotary position embedding, both conventions the models use, with one frequency formula.
 
-Pairs (x[2i], x[2i+1]) of the rotated part are complex numbers multiplied by exp(i * pos * f_i),
+* interleaved pairs (V4.1, `apply_rope_interleaved`): on the trailing `rope_dim` dims, pairs
+  (x[2i], x[2i+1]) are complex numbers multiplied by exp(i * pos * f_i);
+* split half (Llama / Qwen3 "rotate_half", `apply_rope_split_half`): over the whole last axis, dims i and
+  i + d/2 form the pair.
 f_i = 1 / theta^(2i / rope_dim). Frequencies and angles stay in f32: positions reach 1e5+ and bf16
 angles would be off by whole radians.
 """
@@ -34,3 +37,14 @@ def apply_rope_interleaved(x: jax.Array, positions: jax.Array, *, theta: float, 
     re, im = pairs[..., 0], pairs[..., 1]
     out = jnp.stack([re * cos - im * sin, re * sin + im * cos], axis=-1).reshape(rot.shape)
     return jnp.concatenate([nope, out.astype(x.dtype)], axis=-1)
+
+
+def apply_rope_split_half(x: jax.Array, positions: jax.Array, *, theta: float) -> jax.Array:
+    """RoPE over the whole last axis, split-half convention: dims i and i + d/2 form a pair rotated by
+    pos * f_i (Llama / Qwen3 "rotate_half"). `positions` broadcasts against x.shape[:-1]."""
+    d = x.shape[-1]
+    angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(d, theta)  # [..., d/2]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

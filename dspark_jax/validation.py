@@ -1,0 +1,69 @@
+"""Validation and file helpers shared by every config class (draft families, backbones, run configs).
+
+A config is a frozen dataclass validated once in `__post_init__`; each check names the field, the value
+it got and the value it expected (`check_field`), so a user can fix a file from the message alone.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from dspark_jax.errors import UserError
+
+
+# The MoE router's score functions (`nn.moe.gate_scores`), a value the draft and backbone configs check.
+SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+
+
+# The Markov head types (`drafts.markov`, SPEC 4.1); configs compare them case-insensitively.
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+
+def is_markov_head_type(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() in MARKOV_HEAD_TYPES
+
+
+class ConfigError(UserError):
+    """A config value is missing, unknown or out of range; the message names the field."""
+
+
+def did_you_mean(key: str, valid) -> str:
+    close = difflib.get_close_matches(key, sorted(valid), 1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v) -> bool:
+    """A finite int or float (bool excluded: JSON `true` is not a number here)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_field(ok: bool, field: str, expected: str, got: Any) -> None:
+    if not ok:
+        raise ConfigError(f"config field '{field}': expected {expected}, got {got!r}")
+
+
+def read_json_config(path: str | Path, parse):
+    """`parse(dict)` of a JSON config file (a folder means its config.json); every error names the file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object at top level")
+    try:
+        return parse(raw)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None

@@ -1,0 +1,117 @@
+"""The backbone interface (dspark_jax.backbones.base), run on both families (Qwen3 and mHC): row
+independence, writes past the cache are dropped, stale cache entries never leak, and interface details."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers.backbones import B, FAMILY_TAPS, MAX_LEN, N, QWEN_JSON, jit_forward, mhc_fixture, random_tokens
+
+from dspark_jax.backbones.qwen3 import Qwen3Backbone, Qwen3Config
+
+
+@pytest.fixture(scope="module")
+def mhc():
+    """The tiny config as shipped (MoE FFN)."""
+    return mhc_fixture(True)
+
+
+@pytest.fixture(scope="module")
+def qwen3_random():
+    bb = Qwen3Backbone(Qwen3Config.from_hf_json(QWEN_JSON, tie_word_embeddings=False))  # = qwen3_hf's
+    return bb, bb.init_params(jax.random.key(5)), jit_forward(bb)
+
+
+@pytest.fixture(params=["qwen3", "mhc"])
+def family(request, qwen3_random, mhc):
+    return qwen3_random if request.param == "qwen3" else mhc
+
+
+def _cache_rows(cache):
+    return [a for a in cache[1:]]  # the layer-stacked arrays [L, B, S, ...]
+
+
+def test_rows_are_independent(family):
+    """Rows with different committed lengths: changing the other row's tokens, length and cache contents
+    leaves a row's logits, taps and cache unchanged."""
+    bb, params, fwd = family
+
+    def run(seq, lengths):
+        out = fwd(params, bb.init_cache(B, MAX_LEN), jnp.asarray(seq[:, :N]), taps=FAMILY_TAPS)
+        cache = bb.commit(out.cache, jnp.asarray(lengths, jnp.int32))
+        return fwd(params, cache, jnp.asarray(seq[:, N:]), taps=FAMILY_TAPS)
+
+    seq = random_tokens(3, (B, N + 4))
+    for row, other in ((0, 1), (1, 0)):
+        changed = seq.copy()
+        changed[other] = random_tokens(4 + row, (N + 4,))
+        lengths = [5, 12] if row == 0 else [12, 5]
+        a = run(seq, lengths)
+        c = run(changed, [lengths[row], 9] if row == 0 else [9, lengths[row]])
+        np.testing.assert_allclose(np.asarray(a.logits[row]), np.asarray(c.logits[row]), atol=1e-6, rtol=0)
+        np.testing.assert_allclose(np.asarray(a.taps[row]), np.asarray(c.taps[row]), atol=1e-6, rtol=0)
+        for x, y in zip(_cache_rows(a.cache), _cache_rows(c.cache)):
+            np.testing.assert_allclose(np.asarray(x[:, row]), np.asarray(y[:, row]), atol=1e-6, rtol=0)
+        assert not np.allclose(np.asarray(a.logits[other]), np.asarray(c.logits[other]), atol=1e-3)
+
+
+def test_writes_past_max_len_are_dropped_and_stale_entries_never_leak(family):
+    bb, params, fwd = family
+    seq = random_tokens(5, (B, N))
+    out = fwd(params, bb.init_cache(B, MAX_LEN), jnp.asarray(seq), taps=FAMILY_TAPS)
+    cache = bb.commit(out.cache, jnp.asarray([N, 3], jnp.int32))
+    # Row 0 writes positions 16..31 (only 16..23 fit); row 1 writes 3..18.
+    new = random_tokens(6, (B, N))
+    out = fwd(params, cache, jnp.asarray(new), taps=FAMILY_TAPS)
+    # Same call with other tokens at the positions that do not fit: the slots that do fit must not care
+    # (no clipping of out-of-range writes onto the last slot).
+    new2 = new.copy()
+    new2[0, MAX_LEN - N:] = random_tokens(7, (2 * N - MAX_LEN,))
+    out2 = fwd(params, cache, jnp.asarray(new2), taps=FAMILY_TAPS)
+    for before, after, after2 in zip(_cache_rows(cache), _cache_rows(out.cache), _cache_rows(out2.cache)):
+        assert after.shape == before.shape
+        np.testing.assert_array_equal(np.asarray(after[:, 0, :N]), np.asarray(before[:, 0, :N]))
+        np.testing.assert_array_equal(np.asarray(after[:, 1, :3]), np.asarray(before[:, 1, :3]))
+        assert not np.array_equal(np.asarray(after[:, 0, N:]), np.asarray(before[:, 0, N:]))
+        np.testing.assert_array_equal(np.asarray(after2), np.asarray(after))
+    assert np.all(np.isfinite(np.asarray(out.logits)))
+    # Poison every uncommitted slot with NaN: a later call must not see it (masked AND zeroed).
+    def poison(a):
+        stale = jnp.arange(MAX_LEN)[None, :] >= cache.length[:, None]  # [B, S]
+        return jnp.where(stale.reshape((1, B, MAX_LEN) + (1,) * (a.ndim - 3)), jnp.nan, a)
+    poisoned = cache._replace(**{f: poison(getattr(cache, f)) for f in cache._fields[1:]})
+    clean = fwd(params, cache, jnp.asarray(seq[:, :1]), taps=FAMILY_TAPS)
+    dirty = fwd(params, poisoned, jnp.asarray(seq[:, :1]), taps=FAMILY_TAPS)
+    np.testing.assert_array_equal(np.asarray(clean.logits), np.asarray(dirty.logits))
+    np.testing.assert_array_equal(np.asarray(clean.taps), np.asarray(dirty.taps))
+
+
+def test_interface_details(family):
+    bb, params, fwd = family
+    abstract = bb.abstract_params()
+    assert jax.tree.structure(abstract) == jax.tree.structure(params)
+    jax.tree.map(lambda a, p: (a.shape, a.dtype) == (p.shape, p.dtype) or pytest.fail(f"{a} vs {p.shape}"),
+                 abstract, params)
+    axes = bb.logical_axes()
+    for spec in jax.tree.leaves(axes["layers"], is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)):
+        assert spec[0] == "layers"
+    tied = bb.tied(params)
+    assert tied["embed"].shape == tied["head"].shape == (bb.vocab_size, bb.dim)
+    ids = jnp.asarray([[1, 2, 3]])
+    np.testing.assert_array_equal(np.asarray(bb.embed(params, ids)), np.asarray(tied["embed"][ids]))
+    cache = bb.init_cache(2, 8)
+    assert cache.length.dtype == jnp.int32 and cache.length.shape == (2,)
+    with pytest.raises(ValueError, match=r"'taps' \[4\] out of range for tap_mode='entry' with 4 layers"):
+        bb.forward(params, cache, jnp.zeros((2, 1), jnp.int32), taps=(4,))
+    with pytest.raises(ValueError, match=r"'taps' \[-2\] out of range for tap_mode='output'"):
+        bb.forward(params, cache, jnp.zeros((2, 1), jnp.int32), taps=(-2,), tap_mode="output")
+    with pytest.raises(ValueError, match=r"'tap_mode' must be one of"):
+        bb.forward(params, cache, jnp.zeros((2, 1), jnp.int32), tap_mode="exit")
+    with pytest.raises(ValueError, match=r"'tokens' has batch 3 but the cache was built for batch 2"):
+        bb.forward(params, cache, jnp.zeros((3, 1), jnp.int32))
+    with pytest.raises(ValueError, match=r"'n' must have shape \(2,\)"):
+        bb.commit(cache, jnp.zeros((3,), jnp.int32))
+    committed = jax.jit(bb.commit)(cache, jnp.asarray([2, 0]))
+    assert committed.length.tolist() == [2, 0]

@@ -1,0 +1,243 @@
+"""The serving engine's loop (serve/engine.py, serve/decode_state.py): submit / step / cancel with
+overlap, on-device finish checks, the async scheduler's plain fallback, no host transfers in steady
+state, and bad requests that never stop the others."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import backbone_greedy_drafts, oracle_propose
+from helpers import random_prompts as prompts
+from helpers.spec import CFG, family, plain_greedy
+
+from dspark_jax import spec_round as sr
+from dspark_jax.errors import UserError
+from dspark_jax.schedule import CostTable
+from dspark_jax.serve import decode_state as ds
+from dspark_jax.serve.engine import Engine, EngineConfig, Request
+
+MAXLEN = 200  # plain_greedy's cache length: the same compiled programs as test_spec_round
+
+
+def _engine(mode="off", slots=3, table=None, **kw):
+    bb, weights = family("mhc")
+    model = sr.SpecModel(bb, CFG, impl="xla", propose_fn=oracle_propose)
+    return Engine(model, weights, EngineConfig(mode=mode, max_slots=slots, max_len=MAXLEN, progress=False, **kw), table)
+
+
+def _want():
+    return plain_greedy("mhc", 22, 150, MAXLEN)
+
+
+def test_requests_join_leave_and_cancel_mid_run_greedy_equals_plain():
+    """More requests than slots, submitted while others run; one cancelled while running, one while
+    queued, one that stops on a stop id: the rest are plain decoding token for token."""
+    want = _want()
+    eng = _engine()
+    budget = {i: 120 if i == 1 else 30 + 4 * i for i in range(4)}
+    ids = {eng.submit(Request(p, max_tokens=budget[i], id=i)): i for i, p in enumerate(prompts(4, seed=1))}
+    got = {i: [] for i in range(8)}
+    finish = {}
+    steps = 0
+    late = prompts(8, seed=1)[4:]
+    while not eng.idle:
+        for ev in eng.step():
+            got[ev.request_id] += ev.tokens
+            if ev.finish_reason:
+                finish[ev.request_id] = ev.finish_reason
+        steps += 1
+        if steps == 2:  # join mid-run; request 5 stops at the token plain decoding emits 6th
+            for j, p in enumerate(late):
+                i = 4 + j
+                stop = (int(want[i, 5]),) if i == 5 else ()
+                ids[eng.submit(Request(p, max_tokens=12, stop_tokens=stop, id=i))] = i
+            victim_queued = max(ids)
+            assert eng.cancel(victim_queued)  # still in the queue: the slots are busy
+        if 1 not in finish and len(got[1]) >= 10:
+            running = next(rid for rid, i in ids.items() if i == 1)
+            assert eng.cancel(running)
+            assert not eng.cancel(running)  # already cancelled
+    assert finish[1] == "cancelled" and finish[ids[victim_queued]] == "cancelled"
+    assert got[ids[victim_queued]] == []
+    assert got[1] == want[1, :len(got[1])].tolist()
+    first_stop = list(want[5]).index(want[5, 5])
+    assert finish[5] == "stop" and got[5] == want[5, :first_stop + 1].tolist()
+    assert 10 <= len(got[1]) < 120
+    for i in (0, 2, 3, 4, 6):
+        assert finish[i] == "length", (i, finish[i])
+        assert got[i] == want[i, :budget.get(i, 12)].tolist(), i
+
+
+def test_async_scheduler_falls_back_to_plain_steps_and_stays_exact():
+    """A cost table on which speculation never pays (a third batch token makes the step 10x slower): the async
+    engine runs plain step programs, probing with a verify-all round at the start and after 8 and 16
+    more plain steps, and emits exactly plain decoding."""
+    table = CostTable(np.array([1, 3]), np.array([100.0, 10.0]), max_batch_tokens=24)
+    eng = _engine("async", slots=2, table=table)
+    reqs = [Request(p, max_tokens=40, id=i) for i, p in enumerate(prompts(2, seed=1))]
+    want = _want()
+    for r in eng.generate(reqs):
+        assert r.tokens == want[r.id, :40].tolist()
+    m = eng.metrics
+    assert 1 <= m.spec_rounds <= 3 and m.rounds > 10 * m.spec_rounds, (m.spec_rounds, m.rounds)
+
+
+def test_async_scheduler_speculates_when_it_pays():
+    """A flat cost table (verifying is free): the capacity read back is positive and drafts get verified
+    in every round but one: the plain step the engine runs while its first probe's answer is in flight."""
+    table = CostTable(np.array([1]), np.array([100.0]), max_batch_tokens=24)
+    eng = _engine("async", slots=2, table=table)
+    want = _want()
+    for r in eng.generate([Request(p, max_tokens=30, id=i) for i, p in enumerate(prompts(2, seed=1))]):
+        assert r.tokens == want[r.id, :30].tolist()
+    assert eng.metrics.verified > 0 and eng.metrics.spec_rounds == eng.metrics.rounds - 1
+
+
+def test_fixed_mode_verifies_exactly_num_verify_drafts():
+    """num_verify = 2 runs the width-4 program (the bucket of 3 tokens) but verifies 2 drafts, not 3."""
+    eng = _engine("fixed", slots=2, num_verify=2, record_rounds=True)
+    want = _want()
+    for r in eng.generate([Request(p, max_tokens=20, id=i) for i, p in enumerate(prompts(2, seed=1))]):
+        assert r.tokens == want[r.id, :20].tolist()
+    verified = eng.take_records()["num_verified"]
+    assert verified.max() == 2 and (verified <= 2).all()
+
+
+def test_deferred_draft_ingest_catches_up_to_the_per_step_ingest():
+    """Plain steps that only buffer their taps, then one catch-up, leave the draft's context as one
+    ingest per step does (fp8 KV rounding off: a last-bit difference between the [B, 1] and [B, P]
+    shapes must not be amplified into an fp8 step)."""
+    bb, weights = family("mhc")
+    model = sr.SpecModel(bb, CFG.replace(kv_fp8=False), impl="xla")
+    reqs = [Request(p, max_tokens=100, id=i) for i, p in enumerate(prompts(3, seed=2))]
+    rows = ds.joining_rows([0, 1, 2], [list(r.prompt) for r in reqs], reqs, 3, MAXLEN, 1, 16)
+    ends = []
+    for deferred in (0, 16):
+        state = ds.init(model, 3, MAXLEN, 1, deferred)
+        state, _ = ds.ADMIT(model, weights, state, jax.device_put(rows), max_len=MAXLEN)
+        state, delta = ds.PLAIN_ROUNDS(model, weights, state, rounds=6, max_len=MAXLEN, ingest_draft=True)
+        if deferred:
+            assert np.asarray(state.deferred.count).tolist() == [6, 6, 6]
+            state = ds.CATCH_UP(model, weights, state, width=8)  # reads buffer rows 0..7 only
+            assert np.asarray(state.deferred.count).tolist() == [0, 0, 0]
+        ends.append((np.asarray(delta.tokens), state.round.draft))
+    (tok0, d0), (tok1, d1) = ends
+    np.testing.assert_array_equal(tok0, tok1)
+    np.testing.assert_array_equal(np.asarray(d0.length), np.asarray(d1.length))
+    np.testing.assert_allclose(np.asarray(d1.ring, np.float32), np.asarray(d0.ring, np.float32), rtol=1e-5, atol=1e-6)
+
+
+def _liar_propose(model, weights, state, params, seeds, filtering):
+    """A draft sure of itself (confidence logits +10) whose every token is wrong."""
+    out = oracle_propose(model, weights, state, params, seeds, filtering)
+    wrong = (backbone_greedy_drafts(model, weights, state) + 1) % model.backbone.vocab_size
+    return out._replace(tokens=wrong, conf_logits=jnp.full(out.conf_logits.shape, 10.0))
+
+
+def test_a_cost_table_measured_for_a_smaller_engine_is_refused_or_capped_with_a_warning():
+    with pytest.raises(UserError, match="max_batch_tokens 2 is below the engine's 3 slots.*--slots 3"):
+        _engine("async", slots=3, table=CostTable(np.array([1, 2]), np.array([100.0, 90.0])))
+    with pytest.warns(UserWarning, match="verify at most 1 drafts per round"):
+        _engine("sync", slots=3, table=CostTable(np.array([1, 4]), np.array([100.0, 90.0])))
+    _engine("off", slots=3, table=CostTable(np.array([1, 2]), np.array([100.0, 90.0])))  # plain: unused
+
+
+def test_async_scheduler_learns_that_overconfident_drafts_do_not_pay():
+    """On a table where sure drafts pay, a draft that claims confidence ~1 but is never accepted gets
+    verified for a few rounds only: the realized / predicted acceptance scale then sends the engine to
+    plain steps (probing now and then). Without the scale every round would speculate."""
+    bb, weights = family("mhc")
+    model = sr.SpecModel(bb, CFG, impl="xla", propose_fn=_liar_propose)
+    table = CostTable(np.array([2, 4, 8, 16]), np.array([100.0, 90.0, 80.0, 70.0]))
+    eng = Engine(model, weights, EngineConfig(mode="async", max_slots=2, max_len=MAXLEN, progress=False), table)
+    want = _want()
+    for r in eng.generate([Request(p, max_tokens=60, id=i) for i, p in enumerate(prompts(2, seed=1))]):
+        assert r.tokens == want[r.id, :60].tolist()
+    m = eng.metrics
+    assert m.verified > 0 and m.spec_rounds < m.rounds / 3, (m.spec_rounds, m.rounds)
+    assert eng.acceptance_scale < 0.1
+
+
+@pytest.mark.parametrize("mode", ["off", "plain"])
+def test_steady_state_rounds_move_no_data_host_to_device_and_keep_one_round_in_flight(mode):
+    """Once every request is admitted, a step dispatches the next round before it reads the previous one
+    (so the device is never idle waiting for the host) and copies nothing from the host to the device:
+    sampling parameters, seeds, budgets and stop ids already live there."""
+    eng = _engine(mode, slots=2)
+    for i, p in enumerate(prompts(2, seed=1)):
+        eng.submit(Request(p, max_tokens=150, id=i))
+    eng.step()
+    eng.step()
+    with jax.transfer_guard_host_to_device("disallow_explicit"), jax.transfer_guard_device_to_host("disallow"):
+        for _ in range(4):
+            events = eng.step()
+            assert {e.request_id for e in events} == {0, 1} and all(e.tokens for e in events)
+            assert eng.in_flight == 1
+    eng.cancel_all()
+    while not eng.idle:
+        eng.step()
+
+
+def test_bad_request_is_refused_at_submit_and_the_engine_keeps_serving():
+    eng = _engine()
+    good = eng.submit(Request([1, 2, 3], max_tokens=5, id="ok"))
+    with pytest.raises(ValueError, match="stop_tokens"):
+        eng.submit(Request([1], stop_tokens=[1, 2, 3, 4, 5, 6, 7, 8, 9], id="many-stops"))
+    with pytest.raises(ValueError, match="prompt"):
+        eng.submit(Request([1, 10**6], id="range"))
+    out = [ev for ev in eng.stream() if ev.id == good]
+    assert out[-1].finish_reason == "length" and sum(len(e.tokens) for e in out) == 5
+    assert not eng.cancel(good) and not eng.cancel(12345)
+    # generate(): a bad request becomes that request's error Result; the batch around it is served.
+    batch = [Request([1, 2, 3], max_tokens=4, id="a"), Request((t for t in [1]), id="gen"), "not a request",
+             Request([1, 2, 3], max_tokens=4, top_k=2 ** 40, temperature=1.0, seed=3, id="huge-k"),
+             Request([1, 2, 3], max_tokens=4, top_k=0, temperature=1.0, seed=3, id="no-k")]
+    res = eng.generate(batch)
+    assert [r.finish_reason for r in res] == ["length", "error", "error", "length", "length"]
+    assert "request 'prompt'" in res[1].error and "got str" in res[2].error
+    assert res[3].tokens == res[4].tokens  # top_k beyond the vocabulary is top-k off
+
+
+@pytest.mark.slow
+def test_engine_on_eight_devices_emits_the_one_device_tokens():
+    """The engine on a 2 (data) x 4 (expert) mesh of CPU devices: the draft's experts sharded over
+    `expert`, the slots over `data`; greedy tokens and acceptance equal the one-device engine's. (The
+    draft runs without its fp8 KV rounding: sharded sums round differently in the last bits, and the
+    rounding could turn that into a different, equally valid, draft; see drafts/v41/test_model.py.)"""
+    from dspark_jax.parallel import make_mesh
+
+    assert jax.device_count() >= 8
+    bb, weights = family("mhc")
+    model = sr.SpecModel(bb, CFG.replace(kv_fp8=False), impl="xla")
+    reqs = [Request(p, max_tokens=16, id=i) for i, p in enumerate(prompts(4, seed=1))]
+    cfg = EngineConfig(mode="off", max_slots=4, max_len=MAXLEN, progress=False)
+    one_device = Engine(model, weights, cfg)
+    one = one_device.generate(reqs)
+    mesh = make_mesh(data=2, expert=4)
+    eng = Engine(model, weights, cfg, mesh=mesh)
+    eight = eng.generate(reqs)
+    experts = [x for x in jax.tree.leaves(eng.weights.draft) if "expert" in str(x.sharding.spec)]
+    assert experts, "no draft parameter is sharded over the expert axis"
+    assert [r.tokens for r in eight] == [r.tokens for r in one]
+    assert [r.tokens for r in one] == [_want()[i, :16].tolist() for i in range(4)]
+    assert eng.metrics.emitted == one_device.metrics.emitted and eng.metrics.rounds == one_device.metrics.rounds
+
+
+def _compiled():
+    return {name: getattr(ds, name)._cache_size() for name in ("ADMIT", "SPEC_ROUNDS", "PLAIN_ROUNDS", "CATCH_UP")}
+
+
+@pytest.mark.slow  # ~40 programs to compile: minutes on 2 cores
+def test_warm_up_compiles_every_program_a_workload_can_dispatch():
+    """After warm_up(), a varied workload (greedy and filtered sampling, joins of 1..3 rows, short and
+    long prompts, budgets that end inside a multi-round call) compiles nothing new."""
+    eng = _engine(mode="off", slots=3)  # the programs of the tests above: only the missing ones compile
+    n = eng.warm_up()
+    before = _compiled()
+    assert n == len(eng._programs()) and eng.idle
+    rng = np.random.default_rng(0)
+    reqs = [Request(list(rng.integers(1, 50, int(rng.integers(1, 150)))), max_tokens=int(rng.integers(1, 12)),
+                    temperature=float(i % 2), top_k=5 * (i % 3 == 1), seed=i, id=i) for i in range(10)]
+    res = eng.generate(reqs[:1]) + eng.generate(reqs[1:3]) + eng.generate(reqs[3:])
+    assert [r.finish_reason for r in res] == ["length"] * 10
+    assert _compiled() == before

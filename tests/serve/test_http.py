@@ -1,0 +1,314 @@
+"""`dspark serve`: a real server on 127.0.0.1 (uvicorn in a thread; a subprocess for SIGTERM), spoken to with
+the `openai` client and raw HTTP."""
+
+import functools
+import json
+import socket
+import threading
+import time
+
+import httpx
+import jax
+import numpy as np
+import pytest
+
+from helpers import CONFIGS
+
+from dspark_jax import drafts
+from dspark_jax import spec_round as sr
+from dspark_jax.bundle import make_backbone
+from dspark_jax.drafts.v41.config import DSparkConfig
+from dspark_jax.serve.engine import Engine, EngineConfig, Request
+from dspark_jax.serve.http import ThreadedServer, create_app
+from dspark_jax.serve.loop import EngineLoop
+from dspark_jax.serve.metrics import ServerMetrics
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+SLOTS, QUEUE, MAX_LEN = 2, 2, 96
+CONFIG = EngineConfig(max_slots=SLOTS, max_len=MAX_LEN, mode="off", progress=False)
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = open(CONFIGS.parent / "serve" / "engine.py").read()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>", "<|noise|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+def tiny_model():
+    """The tiny mhc + V4.1 pair with random weights and the fp8 KV rounding off (exactness across batch
+    shapes, as the engine's exactness tests)."""
+    raw = json.loads((CONFIGS / "tiny_mhc_backbone.json").read_text())
+    backbone = make_backbone("mhc", {**raw, "kv_fp8": False})
+    cfg = DSparkConfig.from_json(CONFIGS / "tiny_v41.json").replace(kv_fp8=False)
+    k1, k2 = jax.random.split(jax.random.key(0))
+    bparams = backbone.init_params(k1)
+    weights = sr.Weights(bparams, drafts.init_params(cfg, k2), backbone.tied(bparams), jax.numpy.ones(cfg.block_size))
+    return sr.SpecModel(backbone, cfg, impl="xla"), weights
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    m, w = model
+    metrics = ServerMetrics()
+    loop = EngineLoop(lambda: Engine(m, w, CONFIG), max_queue=QUEUE, warmup="quick", on_round=metrics.observe_round)
+    metrics.attach(loop)
+    app = create_app(loop, tokenizer=tiny_tokenizer(), model_name="tiny", default_max_tokens=8, metrics=metrics)
+    loop.start()
+    srv = ThreadedServer(app)
+    srv.loop = loop
+    yield srv
+    srv.stop()
+    loop.shutdown(5)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def post(server, path, body, **kw):
+    return httpx.post(server.url + path, json=body, timeout=120, **kw)
+
+
+def wait_idle(loop, timeout=30.0):
+    deadline = time.time() + timeout
+    while loop.accepted and time.time() < deadline:
+        time.sleep(0.02)
+    assert loop.accepted == 0
+
+
+def test_models_health_and_a_completion(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    r = client.completions.create(model="tiny", prompt="def step(self):", max_tokens=12, temperature=0, seed=1)
+    assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens > 0
+    ext = r.model_extra["dspark"]
+    assert ext["rounds"] >= 1 and ext["tau"] == pytest.approx(12 / ext["rounds"])
+    assert 0 <= ext["accepted_drafts"] <= 12
+    ids = post(server, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}).json()
+    assert ids["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+def test_streaming_gives_the_same_text_as_one_response(server, client):
+    kw = dict(model="tiny", prompt="class Engine:", max_tokens=20, temperature=1.0, seed=7)
+    whole = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == whole
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 20
+
+
+def test_chat_completion_and_chat_stream(server, client):
+    msgs = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Say hi"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0, seed=2)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    text = r.choices[0].message.content
+    parts = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0, seed=2,
+                                                stream=True))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == text
+    assert parts[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_strings_and_stop_tokens(server, client, model):
+    kw = dict(model="tiny", prompt="def run(self):", max_tokens=40, temperature=0, seed=3)
+    full = client.completions.create(**kw).choices[0].text
+    assert len(full) > 6
+    stop = full[4:6]
+    cut = full.find(stop)
+    r = client.completions.create(stop=[stop], **kw)
+    assert r.choices[0].text == full[:cut] and r.choices[0].finish_reason == "stop"
+    m, w = model
+    greedy = Engine(m, w, CONFIG).generate([Request([9, 10], max_tokens=30)])[0].tokens
+    first = greedy.index(greedy[2])  # the stop token ends the text and is not part of it
+    stopped = post(server, "/v1/completions", {"prompt": [9, 10], "max_tokens": 30, "temperature": 0,
+                                               "stop": [greedy[2]]}).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["choices"][0]["text"] == tiny_tokenizer().decode(greedy[:first])
+    assert stopped["usage"]["completion_tokens"] == first + 1
+
+
+BAD = [  # (body changes, the param the error must name)
+    ({"n": 2}, "n"), ({"logprobs": 1}, "logprobs"), ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"),
+    ({"temperature": -1}, "temperature"), ({"temperature": "hot"}, "temperature"), ({"top_p": 0}, "top_p"),
+    ({"top_k": 1e10}, "top_k"), ({"top_k": 2 ** 40}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 10 ** 6}, "max_tokens"), ({"prompt": ""}, "prompt"), ({"prompt": [1, 10 ** 6]}, "prompt"),
+    ({"prompt": {"a": 1}}, "prompt"), ({"prompt": [1] * 200}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"stop": [""]}, "stop"), ({"seed": -1}, "seed"),
+    ({"stream": "yes"}, "stream"), ({"user": 5}, "user"), ({"frequency_penalty": 1.0}, "frequency_penalty"),
+]
+
+
+@pytest.mark.parametrize("change,param", BAD)
+def test_bad_requests_answer_400_naming_the_field(server, change, param):
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "x = 1", "max_tokens": 4, **change})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"] and err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body,param", [("not json", None), ([1, 2], None)])
+def test_malformed_bodies_answer_400(server, body, param):
+    r = httpx.post(server.url + "/v1/completions", content=json.dumps(body) if body != "not json" else body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("messages,param", [([{"role": "wizard", "content": "x"}], "messages[0].role"),
+                                            ([], "messages"), ([{"role": "user", "content": 3}], "messages[0].content")])
+def test_bad_chat_messages_answer_400(server, messages, param):
+    r = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def _open_stream(server, body):
+    """A streaming request held open: -> (httpx stream context, response, line iterator)."""
+    cm = httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=120)
+    resp = cm.__enter__()
+    return cm, resp, resp.iter_lines()
+
+
+def test_a_full_queue_answers_429_and_the_accepted_requests_complete(server):
+    held = [_open_stream(server, {"prompt": [3, 4], "max_tokens": 80, "temperature": 1.0, "seed": i})
+            for i in range(SLOTS + QUEUE)]
+    for _, resp, _ in held:
+        assert resp.status_code == 200
+    deadline = time.time() + 10
+    while server.loop.accepted < SLOTS + QUEUE and time.time() < deadline:
+        time.sleep(0.01)
+    r = post(server, "/v1/completions", {"prompt": [3, 4], "max_tokens": 4})
+    assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    for cm, _, lines in held:
+        got = [line for line in lines if line.startswith("data: ")]
+        cm.__exit__(None, None, None)
+        assert got[-1] == "data: [DONE]"
+        assert json.loads(got[-2][6:])["usage"]["completion_tokens"] == 80
+    assert 'dspark_requests_total{outcome="rejected"}' in httpx.get(server.url + "/metrics").text
+
+
+def test_a_client_that_disconnects_is_cancelled_and_its_slot_reused(server):
+    wait_idle(server.loop)
+    cm, resp, lines = _open_stream(server, {"prompt": [3, 4], "max_tokens": 90, "temperature": 1.0})
+    next(line for line in lines if line.startswith("data: "))
+    cm.__exit__(None, None, None)  # the client goes away mid-stream
+    wait_idle(server.loop, timeout=10)
+    assert server.loop.engine.active == 0
+    r = post(server, "/v1/completions", {"prompt": [3, 4], "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_an_engine_failure_answers_500_and_the_server_recovers(server, monkeypatch):
+    wait_idle(server.loop)
+    engine = server.loop.engine
+    real = engine.step
+    calls = {"n": 0}
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected device fault")
+        return real()
+
+    monkeypatch.setattr(engine, "step", failing_step)
+    r = post(server, "/v1/completions", {"prompt": [3, 4], "max_tokens": 60, "temperature": 0})
+    assert r.status_code == 500 and "injected device fault" in r.json()["error"]["message"]
+    assert server.loop.engine is not engine and server.loop.stats.rebuilds >= 1
+    ok = post(server, "/v1/completions", {"prompt": [3, 4], "max_tokens": 6, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 6
+    assert 'dspark_requests_total{outcome="error"}' in httpx.get(server.url + "/metrics").text
+
+
+def test_a_seeded_request_is_the_same_alone_under_load_and_offline(server, model):
+    body = {"prompt": [11, 12, 13], "max_tokens": 24, "temperature": 1.0, "seed": 1234}
+    wait_idle(server.loop)
+    alone = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    results = {}
+
+    def fire(i, b):
+        results[i] = post(server, "/v1/completions", b).json()["choices"][0]["text"]
+
+    threads = [threading.Thread(target=fire, args=(i, {**body, "seed": 99 + i})) for i in range(3)]
+    threads.append(threading.Thread(target=fire, args=("mine", body)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results["mine"] == alone
+    m, w = model
+    offline = Engine(m, w, CONFIG).generate([Request([11, 12, 13], max_tokens=24, temperature=1.0, seed=1234)])
+    assert tiny_tokenizer().decode(offline[0].tokens) == alone
+
+
+def test_metrics_expose_the_serving_numbers(server):
+    post(server, "/v1/completions", {"prompt": [3, 4], "max_tokens": 6, "temperature": 0})
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("dspark_requests_total", "dspark_prompt_tokens_total", "dspark_generated_tokens_total",
+                 "dspark_tau", 'dspark_acceptance{position="1"}', "dspark_mean_verify", "dspark_queue_depth",
+                 "dspark_active_slots", "dspark_round_seconds_bucket"):
+        assert name in text, name
+    tau = float(next(line.split()[-1] for line in text.splitlines() if line.startswith("dspark_tau ")))
+    assert tau >= 1.0
+    assert np.isfinite(tau)
+
+
+def httpx_status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.TransportError:
+        return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_finishes_the_requests_in_flight_and_exits_0():
+    """`dspark serve` in a subprocess: SIGTERM mid-stream; the stream completes, new work is refused, exit 0."""
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "dspark_jax", "serve", "--random-tiny", "--port", str(port),
+                             "--mode", "off", "--slots", "2", "--max-len", "160", "--grace", "60", "--warmup", "quick"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 900
+        while httpx_status(url + "/health") != 200:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.time() < deadline, "the server did not become ready"
+            time.sleep(0.3)
+        got = []
+        with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                          json={"prompt": [3, 4], "max_tokens": 120, "temperature": 1.0, "seed": 5, "stream": True}) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    if not got:
+                        proc.send_signal(signal.SIGTERM)
+                        time.sleep(0.5)
+                        with pytest.raises(httpx.TransportError):  # no new connections once stopping
+                            httpx.get(url + "/health", timeout=2)
+                    got.append(line)
+        assert got[-1] == "data: [DONE]" and json.loads(got[-2][6:])["usage"]["completion_tokens"] == 120
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
