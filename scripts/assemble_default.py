@@ -89,43 +89,83 @@ def write_docs(build: Path, dest: Path, bcfg, drafts: dict, info: dict) -> None:
             shutil.copy(src, logs / f"draft_{name}_metrics.jsonl")
 
 
+def load_trained(build: Path, name: str):
+    """(config, params) of a draft trained by scripts/train_drafts.py."""
+    from dspark_jax import drafts
+    from dspark_jax.bundle import unflatten_strict
+    from dspark_jax.checkpoint.safetensors_io import open_checkpoint
+
+    run = build / "drafts" / name
+    cfg = drafts.load_config(run / "draft.json")
+    return cfg, unflatten_strict(open_checkpoint(run / "draft.safetensors"), drafts.abstract_params(cfg), f"draft {name}")
+
+
+def save_variant(dest: Path, name: str, cfg, dparams, dtype) -> None:
+    """dest/variants/<name>/: draft.json + draft.safetensors (what `dspark bench acceptance --variants` reads)."""
+    from dspark_jax.bundle import flatten
+    from dspark_jax.checkpoint.safetensors_io import save_file
+
+    vdir = dest / "variants" / name
+    vdir.mkdir(parents=True, exist_ok=True)
+    (vdir / "draft.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    save_file(vdir / "draft.safetensors", {k: np.asarray(v) for k, v in flatten(cast(dparams, dtype)).items()})
+
+
+def final_metrics(build: Path, name: str, dparams) -> dict:
+    """The last training log line's figures and the parameter count of a trained draft."""
+    from dspark_jax.bundle import flatten
+
+    last = last_json_line(build / "drafts" / name / "metrics.jsonl") or {}
+    out = {k: v for k, v in last.items() if k in ("step", "loss", "ce", "l1", "conf", "tau_estimate")
+           or k.startswith("accept_rate@")}
+    out["params"] = int(sum(np.prod(np.shape(x)) for x in flatten(dparams).values()))
+    return out
+
+
+def add_variants(build: Path, dest: Path, names: list[str], dtype) -> int:
+    """Add trained drafts as variants of an assembled default (the Markov head variants, issue 19), their
+    final training figures into training.json and their logs into logs/; the bundle itself is untouched."""
+    info = json.loads((dest / "training.json").read_text())
+    for name in names:
+        cfg, dparams = load_trained(build, name)
+        save_variant(dest, name, cfg, dparams, dtype)
+        info["drafts"][name] = final_metrics(build, name, dparams)
+        shutil.copy(build / "drafts" / name / "metrics.jsonl", dest / "logs" / f"draft_{name}_metrics.jsonl")
+        print(f"variant {name} ({cfg.markov_head_type} Markov head) -> {dest / 'variants' / name}")
+    (dest / "training.json").write_text(json.dumps(info, indent=2) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
-    from dspark_jax import draft as draft_lib
     from dspark_jax.backbones.mhc import MhcBackbone, MhcConfig
-    from dspark_jax.bundle import flatten, save_bundle, unflatten_strict
-    from dspark_jax.checkpoint.safetensors_io import open_checkpoint, save_file
-    from dspark_jax.config import DSparkConfig
+    from dspark_jax.bundle import save_bundle, unflatten_strict
+    from dspark_jax.checkpoint.safetensors_io import open_checkpoint
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", default="build/default_model")
     ap.add_argument("--dest", default="dspark_jax/assets/default")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--add-variants", nargs="+", default=None, metavar="NAME",
+                    help="only add these trained drafts (e.g. gated rnn) as variants of the assembled default")
     args = ap.parse_args(argv)
     build, dest = ROOT / args.build, ROOT / args.dest
     dtype = np.dtype(ml_dtypes.bfloat16) if args.dtype == "bfloat16" else np.dtype(np.float32)
 
+    if args.add_variants:
+        return add_variants(build, dest, args.add_variants, dtype)
     bb = MhcBackbone(MhcConfig.from_json(build / "backbone" / "backbone.json"))
     bparams = unflatten_strict(open_checkpoint(build / "backbone" / "backbone.safetensors"), bb.abstract_params(),
                                "backbone")
-    drafts = {}
-    for name in ("dspark", "parallel", "onetoken"):
-        run = build / "drafts" / name
-        cfg = DSparkConfig.from_json(run / "draft.json")
-        drafts[name] = (cfg, unflatten_strict(open_checkpoint(run / "draft.safetensors"),
-                                              draft_lib.abstract_params(cfg), f"draft {name}"))
+    trained = {name: load_trained(build, name) for name in ("dspark", "parallel", "onetoken")}
 
     if dest.exists():
         shutil.rmtree(dest)
-    cfg, dparams = drafts["dspark"]
+    cfg, dparams = trained["dspark"]
     save_bundle(dest, backbone_family="mhc", backbone=bb, backbone_params=cast(bparams, dtype), draft_cfg=cfg,
                 draft_params=cast(dparams, dtype), tap_mode="entry",
                 tokenizer_json=(build / "tokenizer.json").read_text())
     for name in ("parallel", "onetoken"):
-        cfg, dparams = drafts[name]
-        vdir = dest / "variants" / name
-        vdir.mkdir(parents=True)
-        (vdir / "draft.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        save_file(vdir / "draft.safetensors", {k: np.asarray(v) for k, v in flatten(cast(dparams, dtype)).items()})
+        save_variant(dest, name, *trained[name], dtype)
     shutil.copy(build / "prompts.jsonl", dest / "prompts.jsonl")
 
     bstate = json.loads((build / "backbone" / "train_state.json").read_text())
@@ -137,13 +177,10 @@ def main(argv=None) -> int:
                          "minutes": round(bstate["elapsed_s"] / 60, 1), "seq_len": bstate.get("seq_len"),
                          "batch": bstate.get("batch")},
             "drafts": {}}
-    for name in drafts:
-        last = last_json_line(build / "drafts" / name / "metrics.jsonl") or {}
-        info["drafts"][name] = {k: v for k, v in last.items() if k in ("step", "loss", "ce", "l1", "conf", "tau_estimate")
-                                or k.startswith("accept_rate@")}
-        info["drafts"][name]["params"] = int(sum(np.prod(np.shape(x)) for x in flatten(drafts[name][1]).values()))
+    for name in trained:
+        info["drafts"][name] = final_metrics(build, name, trained[name][1])
     (dest / "training.json").write_text(json.dumps(info, indent=2) + "\n")
-    write_docs(build, dest, bb.cfg, drafts, info)
+    write_docs(build, dest, bb.cfg, trained, info)
     total = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
     print(f"default model -> {dest} ({total / 2 ** 20:.1f} MiB)")
     print(json.dumps(info, indent=2))

@@ -18,8 +18,8 @@ in-sample ECE of a fit on these records.
 
     dspark bench acceptance [--max-tokens 128] [--prompts N] [--plot acceptance.png] [--json out.json]
 
-The helpers here (variant loading, recording rounds, prompt requests) are shared with `dspark demo` and
-scripts/fit_calibration.py.
+The shared helpers live in the package: running drafts on held-out prompts in `dspark_jax.evaluation`,
+the acceptance table cells and bars in `dspark_jax.acceptance_report`.
 """
 
 from __future__ import annotations
@@ -32,142 +32,18 @@ from pathlib import Path
 
 import numpy as np
 
-VARIANTS = ("dspark", "parallel", "onetoken")
+from dspark_jax.acceptance_report import MIN_PLOT_ROUNDS, acceptance_bars, fmt_acc, fmt_counts
+
+# calibration, bundle, evaluation and serve.engine import jax: they are imported inside run(), so
+# `dspark bench acceptance --help` and its argument errors answer without importing jax.
+
+# The default's comparison drafts (measured by default), then the Markov head variants of its DSpark draft
+# (`--variants dspark gated rnn`: vanilla / gated / recurrent head, same data and budget; SPEC 4.1).
+VARIANTS = ("dspark", "parallel", "onetoken", "gated", "rnn")
+DEFAULT_VARIANTS = VARIANTS[:3]
 DESCRIPTIONS = {"dspark": "DSpark (block 7, Markov head)", "parallel": "pure parallel (block 7, rank 0)",
-                "onetoken": "one-token (block 1)"}
-
-
-# ---------------------------------------------------------------------------------------------------
-# Shared helpers
-# ---------------------------------------------------------------------------------------------------
-
-
-def default_dir() -> Path | None:
-    from dspark_jax import assets
-
-    return assets.default_bundle_path()
-
-
-def missing_default_message(what: str, random_tiny: bool = True) -> str:
-    msg = (f"{what}: the embedded default model is not installed (no dspark_jax/assets/default/bundle.json).\n"
-           "  Rebuild it with `bash scripts/build_default.sh` (a few hours on 2 CPU cores), or pass --bundle DIR")
-    if random_tiny:
-        msg += (",\n  or run `dspark demo --random-tiny` for a plumbing check on random weights (acceptance,"
-                " speed-up and text are then meaningless)")
-    return msg + "."
-
-
-def load_variant(bundle, name: str):
-    """(SpecModel, Weights, Calibration | None) of draft `name` against the bundle's backbone: 'dspark' is
-    the bundle's own draft; other names load <bundle>/variants/<name>/{draft.json, draft.safetensors,
-    calibration.json} strictly (every tensor present with its shape, nothing else)."""
-    import jax.numpy as jnp
-
-    from dspark_jax import draft as draft_lib
-    from dspark_jax import spec_round as sr
-    from dspark_jax.bundle import unflatten_strict
-    from dspark_jax.calibration import Calibration
-    from dspark_jax.checkpoint.safetensors_io import open_checkpoint
-    from dspark_jax.config import DSparkConfig
-
-    if name == "dspark":
-        return bundle.model, bundle.weights, bundle.calibration
-    vdir = Path(bundle.path) / "variants" / name
-    if not (vdir / "draft.json").is_file():
-        raise FileNotFoundError(f"{vdir}: no draft.json (variant '{name}' is not in this bundle)")
-    cfg = DSparkConfig.from_json(vdir / "draft.json")
-    params = unflatten_strict(open_checkpoint(vdir / "draft.safetensors"), draft_lib.abstract_params(cfg),
-                              str(vdir / "draft.safetensors"))
-    cal = Calibration.load(vdir / "calibration.json") if (vdir / "calibration.json").is_file() else None
-    temps = jnp.asarray(cal.temperatures if cal else np.ones(cfg.block_size), jnp.float32)
-    model = sr.SpecModel(bundle.model.backbone, cfg, tap_mode=bundle.model.tap_mode, impl=bundle.model.impl)
-    return model, sr.Weights(bundle.weights.backbone, params, bundle.weights.tied, temps), cal
-
-
-def with_temperatures(weights, temperatures):
-    import jax.numpy as jnp
-
-    return weights._replace(temperatures=jnp.asarray(temperatures, jnp.float32))
-
-
-def read_prompts(path, limit: int | None = None) -> list[dict]:
-    recs = [json.loads(line) for line in open(path) if line.strip()]
-    return recs[:limit] if limit else recs
-
-
-def make_requests(prompts: list[dict], tokenizer, *, max_tokens: int, temperature: float, seed0: int = 0,
-                  max_prompt_tokens: int = 192):
-    """Engine requests from prompt records ({"prompt": text} or {"tokens": ids}); long prompts keep their
-    last `max_prompt_tokens` tokens (the end is what the model continues)."""
-    from dspark_jax.serve.engine import Request
-
-    reqs = []
-    for i, rec in enumerate(prompts):
-        ids = list(rec["tokens"]) if "tokens" in rec else tokenizer.encode(rec["prompt"]).ids
-        reqs.append(Request(ids[-max_prompt_tokens:], max_tokens=max_tokens, temperature=temperature,
-                            seed=seed0 + i, id=rec.get("id", i)))
-    return reqs
-
-
-def recording_engine(model, weights, config, cost_table=None):
-    """An Engine that also keeps, per active request-round, the raw confidence logits, the verify length
-    and the accepted count (the STS calibration records: `engine.take_records()`)."""
-    import dataclasses
-
-    from dspark_jax.serve.engine import Engine
-
-    return Engine(model, weights, dataclasses.replace(config, record_rounds=True), cost_table=cost_table)
-
-
-def timed_generate(engine, requests, warmup_tokens: int = 16):
-    """Warm up (compile) on the same prompts with short budgets, then run and return (results, Metrics)
-    of the measured run only."""
-    import dataclasses
-
-    from dspark_jax.serve.engine import Metrics
-
-    engine.metrics = Metrics(engine.k)  # the warm-up must not land in a previous run's metrics object
-    if warmup_tokens:
-        # The first round after the prompt verifies min(K, max_tokens - 2) drafts, so these budgets compile
-        # every verify-width bucket (1, 2, 4, ..., K+1) and the prompt bucket before the timed run.
-        budgets = sorted({min(b, r.max_tokens) for r in requests for b in (2, 3, 5, 9, warmup_tokens)})
-        for b in budgets:
-            engine.generate([dataclasses.replace(r, max_tokens=b) for r in requests])
-    engine.metrics = Metrics(engine.k)
-    if hasattr(engine, "take_records"):
-        engine.take_records()
-    results = engine.generate(requests)
-    return results, engine.metrics
-
-
-# A position measured on fewer rounds than this is drawn hollow and labelled with its count, not as data.
-MIN_PLOT_ROUNDS = 30
-
-
-def fmt_counts(counts, width: int = 7) -> str:
-    """The rounds behind each acc@k (columns aligned with `fmt_acc`)."""
-    return " ".join(f"{int(counts[k]):5d}" if k < len(counts) else "  -  " for k in range(width))
-
-
-def acceptance_bars(ax, xs, acc, counts, width: float, label: str, color: str) -> None:
-    """Bars of per-position acceptance with the rounds behind each written above it; a position seen
-    on fewer than MIN_PLOT_ROUNDS rounds is drawn as an empty hatched outline (too few to read)."""
-    acc = np.asarray([np.nan if a is None else a for a in acc], float)
-    counts = np.asarray(counts, int)
-    solid = counts >= MIN_PLOT_ROUNDS
-    ax.bar(xs[solid], acc[solid], width, label=label, color=color)
-    if (~solid).any():
-        ax.bar(xs[~solid], np.nan_to_num(acc[~solid]), width, fill=False, hatch="//", edgecolor=color)
-    for x, a, n in zip(xs, acc, counts):
-        ax.text(x, (0 if np.isnan(a) else a) + 0.01, f"n={n}", ha="center", va="bottom", fontsize=6, rotation=90)
-
-
-def fmt_acc(acc, width: int = 7) -> str:
-    cells = []
-    for k in range(width):
-        a = acc[k] if k < len(acc) else None
-        cells.append("  -  " if a is None or (isinstance(a, float) and np.isnan(a)) else f"{a:.3f}")
-    return " ".join(cells)
+                "onetoken": "one-token (block 1)", "gated": "DSpark, gated Markov head",
+                "rnn": "DSpark, recurrent Markov head"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -183,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--max-len", type=int, default=384)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS,
+                        help="drafts of the default to measure (default: dspark parallel onetoken; the Markov head "
+                             "variants: dspark gated rnn)")
     parser.add_argument("--refit", action="store_true", help="also report the in-sample ECE of an STS refit")
     parser.add_argument("--plot", default=None, help="write a PNG of per-position acceptance here")
     parser.add_argument("--json", default=None, help="write all numbers as JSON here")
@@ -192,9 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark_jax import calibration as cal_lib
-    from dspark_jax.bundle import load_bundle
-    from dspark_jax.serve.engine import EngineConfig
+    from dspark_jax import calibration as cal_lib  # noqa: PLC0415  (jax)
+    from dspark_jax.bundle import load_bundle  # noqa: PLC0415  (jax)
+    from dspark_jax.evaluation import (default_dir, load_variant, make_requests,  # noqa: PLC0415  (jax)
+                                       missing_default_message, read_prompts, recording_engine, timed_generate)
+    from dspark_jax.serve.engine import EngineConfig  # noqa: PLC0415  (jax)
 
     path = args.bundle or default_dir()
     if path is None:
@@ -272,10 +152,10 @@ def print_table(rows, max_tokens, n_prompts) -> None:
 
 
 def plot(rows, path) -> None:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415  (heavy; only with --plot)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     temps = sorted({r["temperature"] for r in rows})
     fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
