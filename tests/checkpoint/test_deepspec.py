@@ -63,7 +63,7 @@ def test_checkpoint_loader_is_strict_and_names_the_tensor(checkpoint, tmp_path):
     if head == "gated":  # the head's gate_proj, not a layer's mlp.gate_proj, is named
         cases["no gate bias"] = ({k: v for k, v in weights.items() if k != "markov_head.gate_proj.bias"},
                                  "missing.*'markov_head.gate_proj.bias'")
-        cases["gate shape"] = ({**weights, "markov_head.gate_proj.weight": weights["markov_head.gate_proj.weight"].T},
+        cases["gate shape"] = ({**weights, "markov_head.gate_proj.weight": np.ascontiguousarray(weights["markov_head.gate_proj.weight"].T)},
                                "'markov_head.gate_proj.weight' has shape")
     if head == "rnn":
         cases["no joint"] = ({k: v for k, v in weights.items() if not k.startswith("markov_head.joint_proj")},
