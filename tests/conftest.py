@@ -14,6 +14,9 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# Fixtures shared by several test modules.
+pytest_plugins = ["helpers.fixtures"]
+
 import gc  # noqa: E402
 
 import pytest  # noqa: E402

@@ -7,15 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.backbones import B, FAMILY_TAPS, MAX_LEN, N, QWEN_JSON, jit_forward, mhc_fixture, random_tokens
+from helpers.backbones import B, FAMILY_TAPS, MAX_LEN, N, QWEN_JSON, jit_forward, random_tokens
 
 from dspark_jax.backbones.qwen3 import Qwen3Backbone, Qwen3Config
-
-
-@pytest.fixture(scope="module")
-def mhc():
-    """The tiny config as shipped (MoE FFN)."""
-    return mhc_fixture(True)
 
 
 @pytest.fixture(scope="module")

@@ -22,12 +22,6 @@ from dspark_jax.nn.rope import apply_rope_interleaved
 from dspark_jax.validation import ConfigError
 
 
-@pytest.fixture(scope="module")
-def mhc():
-    """The tiny config as shipped (MoE FFN)."""
-    return mhc_fixture(True)
-
-
 @pytest.fixture(scope="module", params=["moe", "dense"])
 def mhc_both(request, mhc):
     return mhc if request.param == "moe" else mhc_fixture(False)

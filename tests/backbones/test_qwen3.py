@@ -9,8 +9,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.backbones import (B, FAMILY_TAPS, MAX_LEN, N, PREFILL, QWEN_JSON, STEPS, decode_schedule, jit_forward,
-                               qwen3_hf_fixture)
+from helpers.backbones import (B, FAMILY_TAPS, MAX_LEN, N, PREFILL, QWEN_JSON, STEPS, decode_schedule, jit_forward)
 
 from dspark_jax.backbones.base import BackboneOutput
 from dspark_jax.backbones.qwen3 import Qwen3Backbone, Qwen3Cache, Qwen3Config
@@ -20,17 +19,6 @@ from dspark_jax.validation import ConfigError
 # ---------------------------------------------------------------------------------------------------
 # Qwen3 vs transformers
 # ---------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def qwen3_hf(tmp_path_factory):
-    """Untied: (torch model, checkpoint folder, loaded cfg, loaded params, seq, HF logits, HF hidden)."""
-    return qwen3_hf_fixture(False, tmp_path_factory)
-
-
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
-def qwen3_hf_both(request, tmp_path_factory, qwen3_hf):
-    return qwen3_hf_fixture(True, tmp_path_factory) if request.param else qwen3_hf
 
 
 def test_qwen3_full_forward_matches_transformers(qwen3_hf_both):

@@ -9,17 +9,12 @@ import jax
 import numpy as np
 import pytest
 from helpers import CONFIGS
-from helpers.checkpoint import TINY, flat, tiny_v41_checkpoint
+from helpers.checkpoint import TINY, flat
 from helpers.deepspec import BCFG, released_like, write_checkpoint
 
 from dspark_jax.backbones.qwen3 import Qwen3Backbone
 from dspark_jax.checkpoint import v41
 from dspark_jax.checkpoint.safetensors_io import open_checkpoint
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    return tiny_v41_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.checkpoint import TINY, flat, tiny_v41_checkpoint
+from helpers.checkpoint import TINY, flat
 
 from dspark_jax.checkpoint import orbax_io, v41
 from dspark_jax.checkpoint.safetensors_io import CheckpointError
-
-
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    return tiny_v41_checkpoint(tmp_path_factory)
 
 
 # ---------------------------------------------------------------------------------------------

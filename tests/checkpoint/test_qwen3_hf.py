@@ -11,23 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers.backbones import B, FAMILY_TAPS, MAX_LEN, N, jit_forward, qwen3_hf_fixture, random_tokens
+from helpers.backbones import B, FAMILY_TAPS, MAX_LEN, N, jit_forward, random_tokens
 from safetensors.numpy import load_file, save_file
 
 from dspark_jax.backbones.qwen3 import Qwen3Backbone
 from dspark_jax.checkpoint.qwen3_hf import load_qwen3_hf
 from dspark_jax.checkpoint.safetensors_io import CheckpointError
-
-
-@pytest.fixture(scope="module")
-def qwen3_hf(tmp_path_factory):
-    """Untied: (torch model, checkpoint folder, loaded cfg, loaded params, seq, HF logits, HF hidden)."""
-    return qwen3_hf_fixture(False, tmp_path_factory)
-
-
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
-def qwen3_hf_both(request, tmp_path_factory, qwen3_hf):
-    return qwen3_hf_fixture(True, tmp_path_factory) if request.param else qwen3_hf
 
 
 def test_qwen3_sharded_and_bf16_checkpoints_load(qwen3_hf, tmp_path):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from helpers.checkpoint import (F32_LEAVES, TINY, as_f64, build_v41_checkpoint, expected_tree, flat,
                                 np_fp4_decode, np_fp4_encode, np_fp8_decode, np_fp8_encode, scale_of, st_write,
-                                tiny_v41_checkpoint, v41_layout)
+                                v41_layout)
 
 from dspark_jax.checkpoint import v41
 from dspark_jax.checkpoint.safetensors_io import CheckpointError, open_checkpoint
@@ -65,11 +65,6 @@ def test_full_size_fp8_wq_b_and_fp4_expert_dequantize_bit_exact(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # The V4.1 loader
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory):
-    return tiny_v41_checkpoint(tmp_path_factory)
-
-
 @pytest.mark.parametrize("vision", [False, True])
 def test_table_agrees_with_draft_and_docs(vision):
     cfg = TINY.replace(vision=vision)

@@ -8,20 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import backbone_greedy_drafts
-from helpers.train import make_trainer, one_device, write_model_files
 
 from dspark_jax import drafts
 from dspark_jax.train import data as D
-
-
-@pytest.fixture(scope="module")
-def model_files(tmp_path_factory):
-    return write_model_files(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def trainer1(model_files, tmp_path_factory):
-    return make_trainer(model_files, tmp_path_factory.mktemp("run1"), one_device())
 
 
 def corrupted_greedy_propose(model, weights, state, params, seeds, filtering):

@@ -14,21 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import CONFIGS
-from helpers.train import fixed_batch, initial_params, make_trainer, one_device, run_config, write_model_files
+from helpers.train import fixed_batch, initial_params, make_trainer, one_device, run_config
 
 from dspark_jax.errors import UserError
 from dspark_jax.parallel import make_mesh
 from dspark_jax.train.trainer import micro_loss, step_normalizer
-
-
-@pytest.fixture(scope="module")
-def model_files(tmp_path_factory):
-    return write_model_files(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def trainer1(model_files, tmp_path_factory):
-    return make_trainer(model_files, tmp_path_factory.mktemp("run1"), one_device())
 
 
 def test_loss_falls_on_a_fixed_batch(trainer1):
