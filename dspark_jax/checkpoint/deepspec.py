@@ -152,22 +152,14 @@ def _validate(reader: CheckpointReader, cfg, with_tied: bool) -> list[Item]:
     items = expand_table(cfg)
     want = {n: it.ckpt_shape for it in items for n in it.names}
     tied = {n: (cfg.vocab_size, cfg.hidden_size) for n in TIED.values()}
-    names = set(reader.names)
-    extra = sorted(names - set(want) - set(tied))
-    missing = sorted(set(want) - names) + (sorted(set(tied) - names) if with_tied else [])
-    if missing:
-        raise CheckpointError(f"{reader.root}: {len(missing)} tensor(s) missing for a {cfg.num_hidden_layers}-layer "
-                              f"DeepSpec draft, e.g. {', '.join(repr(n) for n in missing[:5])}")
-    if extra:
-        raise CheckpointError(f"{reader.root}: {len(extra)} unexpected tensor(s) for a {cfg.num_hidden_layers}-layer "
-                              f"DeepSpec draft, e.g. {', '.join(repr(n) for n in extra[:5])}")
-    for name, shape in {**want, **(tied if with_tied else {})}.items():
-        info = reader.info(name)
+    if with_tied:
+        want.update(tied)
+    infos = {n: reader.info(n) for n in reader.names if with_tied or n not in tied}
+    check_tree(infos, want, f"{reader.root} (a {cfg.num_hidden_layers}-layer DeepSpec draft)")
+    for name, info in infos.items():
         if info.dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"{info.file}: tensor '{name}' has dtype {info.dtype}, expected one of "
                                   f"{list(FLOAT_DTYPES)}")
-        if tuple(info.shape) != tuple(shape):
-            raise CheckpointError(f"{info.file}: tensor '{name}' has shape {list(info.shape)}, expected {list(shape)}")
     return items
 
 

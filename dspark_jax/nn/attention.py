@@ -46,40 +46,40 @@ def grouped_query_attention(q: jax.Array, segments, *, scale: float, sink: jax.A
 
     H is a multiple of every segment's Hkv (query head h reads kv head h // (H / Hkv)). `sink` f32[H] is
     an extra per-head logit in the denominator that carries no value (V4.1). -> o [..., T, H, hd] in q's
-    dtype."""
+    dtype. Suffixes name the axes: T queries, S keys, K kv heads, G query heads per kv head, D head dim."""
     *lead, t, h, hd = q.shape
     hkv = segments[0].k.shape[-2]
     f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
-    qg = q.astype(f32).reshape(*lead, t, hkv, h // hkv, hd)
-    scores, values = [], []
+    q_TKGD = q.astype(f32).reshape(*lead, t, hkv, h // hkv, hd)
+    scores_KGTS, values_SKD = [], []
     for seg in segments:
-        k = seg.k.astype(f32)
-        v = k if seg.v is seg.k else seg.v.astype(f32)
+        k_SKD = seg.k.astype(f32)
+        v_SKD = k_SKD if seg.v is seg.k else seg.v.astype(f32)
         if seg.visible is not None:
-            seen = _seen_keys(seg.visible, k.shape[:-3])[..., None, None]
-            k = jnp.where(seen, k, 0.0)
-            v = k if seg.v is seg.k else jnp.where(seen, v, 0.0)
-        s = jnp.einsum("...tkgd,...skd->...kgts", qg, k, precision=hi) * scale
+            seen_S11 = _seen_keys(seg.visible, k_SKD.shape[:-3])[..., None, None]
+            k_SKD = jnp.where(seen_S11, k_SKD, 0.0)
+            v_SKD = k_SKD if seg.v is seg.k else jnp.where(seen_S11, v_SKD, 0.0)
+        s_KGTS = jnp.einsum("...tkgd,...skd->...kgts", q_TKGD, k_SKD, precision=hi) * scale
         if seg.visible is not None:
-            s = jnp.where(seg.visible[..., None, None, :, :], s, -jnp.inf)
-        scores.append(s)
-        values.append(v)
-    s = jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
-    m = jnp.max(s, axis=-1, keepdims=True)
+            s_KGTS = jnp.where(seg.visible[..., None, None, :, :], s_KGTS, -jnp.inf)
+        scores_KGTS.append(s_KGTS)
+        values_SKD.append(v_SKD)
+    s_KGTS = jnp.concatenate(scores_KGTS, axis=-1) if len(scores_KGTS) > 1 else scores_KGTS[0]
+    m_KGT1 = jnp.max(s_KGTS, axis=-1, keepdims=True)
     if sink is not None:
-        sink_ = sink.astype(f32).reshape(hkv, h // hkv, 1, 1)
-        m = jnp.maximum(m, sink_)
-    p = jnp.exp(s - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
+        sink_KG11 = sink.astype(f32).reshape(hkv, h // hkv, 1, 1)
+        m_KGT1 = jnp.maximum(m_KGT1, sink_KG11)
+    p_KGTS = jnp.exp(s_KGTS - m_KGT1)
+    denom_KGT1 = jnp.sum(p_KGTS, axis=-1, keepdims=True)
     if sink is not None:
-        denom = denom + jnp.exp(sink_ - m)
-    p = p / denom
-    o, start = 0.0, 0
-    for v in values:
-        n = v.shape[-3]
-        o = o + jnp.einsum("...kgts,...skd->...tkgd", p[..., start:start + n], v, precision=hi)
+        denom_KGT1 = denom_KGT1 + jnp.exp(sink_KG11 - m_KGT1)
+    p_KGTS = p_KGTS / denom_KGT1
+    o_TKGD, start = 0.0, 0
+    for v_SKD in values_SKD:  # each segment's slice of the probabilities times its values
+        n = v_SKD.shape[-3]
+        o_TKGD = o_TKGD + jnp.einsum("...kgts,...skd->...tkgd", p_KGTS[..., start:start + n], v_SKD, precision=hi)
         start += n
-    return o.reshape(*lead, t, h, hd).astype(q.dtype)
+    return o_TKGD.reshape(*lead, t, h, hd).astype(q.dtype)
 
 
 def _seen_keys(visible: jax.Array, key_lead: tuple[int, ...]) -> jax.Array:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from dspark_jax.nn import packed
@@ -32,3 +35,22 @@ def param(module: nn.Module, name: str, init, shape: tuple[int, ...], dtype, axe
 def fan_in_normal(fan_in: int):
     """N(0, 1/fan_in): keeps activations O(1) through random-init stacks (tests, the demo)."""
     return nn.initializers.normal(stddev=fan_in ** -0.5)
+
+
+# A model's parameters come from one `boxed_init(cfg, key)` (its Flax `init`, leaves boxed with their logical
+# axes); these three give what every model exposes: the values, the shapes, the axis names.
+
+
+def init_unboxed(boxed_init, cfg, key: jax.Array):
+    """Random parameters as a plain pytree (one compile per config: `cfg` is static and hashable)."""
+    return nn.unbox(jax.jit(boxed_init, static_argnums=0)(cfg, key))
+
+
+def abstract_unboxed(boxed_init, cfg):
+    """`jax.ShapeDtypeStruct`s of the parameters, nothing materialised."""
+    return nn.unbox(jax.eval_shape(functools.partial(boxed_init, cfg), jax.random.key(0)))
+
+
+def logical_axes_of(boxed_init, cfg):
+    """Same tree as the parameters, each leaf a PartitionSpec of logical axis names."""
+    return nn.get_partition_spec(jax.eval_shape(functools.partial(boxed_init, cfg), jax.random.key(0)))

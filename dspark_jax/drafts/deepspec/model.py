@@ -14,7 +14,8 @@ at the target's width whose attention also reads the TARGET's features as extra 
       x = x + o_proj(softmax(q K^T / sqrt(hd)) V)    no mask inside the block (bidirectional)
       x = x + down(silu(gate(post_attention_layernorm(x))) * up(...))
     h_final = norm(x);  U = lm_head(h_final) (the target's head, tied)
-    Markov head (shared with V4.1): logits_k = U_k + W1[x_{k-1}] @ W2^T
+    Markov head (shared with V4.1, `drafts/markov.py`): logits_k = U_k + W2 m_k, m_k = W1[x_{k-1}] for the
+    vanilla head (the gated and recurrent heads of `markov_head_type` also read h_final_k)
     confidence: z_k = proj([h_final_k ; W1[x_{k-1}]]) + bias     (post-norm h, WITH a bias)
 
 RoPE is split-half ("rotate_half", `apply_rope_split_half`) with the config's theta; a context row
@@ -48,6 +49,8 @@ layers.down_proj.kernel   [L, F, D]         layers.{i}.mlp.down_proj.weight [D, 
 norm.scale                [D]               norm.weight
 markov.embed              [V, r]            markov_head.markov_w1.weight        (markov_rank > 0)
 markov.head               [V, r]            markov_head.markov_w2.weight        (markov_rank > 0)
+markov.gate.{kernel,bias} [D + r, r], [r]  markov_head.gate_proj.{weight [r, D + r], bias}   (gated head)
+markov.joint.{kernel,bias} [2r + D, 3r], [3r]  markov_head.joint_proj.{weight [3r, 2r + D], bias}  (rnn head)
 confidence.kernel         [D (+ r)]         confidence_head.proj.weight [1, D (+ r)]   (confidence head on)
 confidence.bias           [1]               confidence_head.proj.bias [1]
 (tied, from the target)   embed [V, D], head [V, D]   embed_tokens.weight, lm_head.weight
@@ -57,7 +60,6 @@ The `norm` / `markov` / `confidence` keys match the V4.1 tree so the trainer's l
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -72,6 +74,7 @@ from dspark_jax.drafts.markov import MarkovHead, sample_block
 from dspark_jax.nn.attention import KeySegment, grouped_query_attention
 from dspark_jax.nn.linear import Linear
 from dspark_jax.nn.norm import RMSNorm, rms_norm
+from dspark_jax.nn.params import abstract_unboxed, init_unboxed, logical_axes_of
 from dspark_jax.nn.qwen3_layer import Qwen3DecoderLayer
 from dspark_jax.validation import is_int
 
@@ -156,15 +159,15 @@ def _init_boxed(cfg: DeepSpecConfig, key: jax.Array) -> dict:
 
 def init_params(cfg: DeepSpecConfig, key: jax.Array) -> dict:
     """Random parameters (the tree in this module's docstring)."""
-    return nn.unbox(jax.jit(_init_boxed, static_argnums=0)(cfg, key))
+    return init_unboxed(_init_boxed, cfg, key)
 
 
 def abstract_params(cfg: DeepSpecConfig) -> dict:
-    return nn.unbox(jax.eval_shape(functools.partial(_init_boxed, cfg), jax.random.key(0)))
+    return abstract_unboxed(_init_boxed, cfg)
 
 
 def param_logical_axes(cfg: DeepSpecConfig) -> dict:
-    return nn.get_partition_spec(jax.eval_shape(functools.partial(_init_boxed, cfg), jax.random.key(0)))
+    return logical_axes_of(_init_boxed, cfg)
 
 
 def context_kv(params: dict, cfg: DeepSpecConfig, main_hidden: jax.Array, positions: jax.Array

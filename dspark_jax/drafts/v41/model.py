@@ -18,7 +18,6 @@ The family's confidence head and Markov weights are in `heads.py`, its training 
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -35,6 +34,7 @@ from dspark_jax.nn.linear import Linear
 from dspark_jax.nn.mhc import MhcBlock, hc_pre, one_hot_pre
 from dspark_jax.nn.moe import MoE
 from dspark_jax.nn.norm import RMSNorm, rms_norm
+from dspark_jax.nn.params import abstract_unboxed, init_unboxed, logical_axes_of
 
 
 class DraftState(NamedTuple):
@@ -126,17 +126,15 @@ def _init_boxed(cfg: DSparkConfig, key: jax.Array):
 
 def init_params(cfg: DSparkConfig, key: jax.Array) -> dict:
     """Random parameters (the tree documented in docs/params.md)."""
-    return nn.unbox(jax.jit(_init_boxed, static_argnums=0)(cfg, key))
+    return init_unboxed(_init_boxed, cfg, key)
 
 
 def abstract_params(cfg: DSparkConfig) -> dict:
-    """Shapes and dtypes only, nothing materialised."""
-    return nn.unbox(jax.eval_shape(functools.partial(_init_boxed, cfg), jax.random.key(0)))
+    return abstract_unboxed(_init_boxed, cfg)
 
 
 def param_logical_axes(cfg: DSparkConfig) -> dict:
-    """The logical axis names of every parameter (a tree of PartitionSpec of names)."""
-    return nn.get_partition_spec(jax.eval_shape(functools.partial(_init_boxed, cfg), jax.random.key(0)))
+    return logical_axes_of(_init_boxed, cfg)
 
 
 def ring_dtype(cfg: DSparkConfig):
