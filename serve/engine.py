@@ -471,7 +471,7 @@ class Engine:
             rid, req = self._queue.popleft()
             s = free.pop(0)
             self._owner[s] = rid
-            self._live[rid] = _Live(rid, req, Result(req.id, [], ""), s, len(req.prompt))
+            self._live[rid] = _Live(rid, req, Result(req.id, [], ""), s, len(req.prompt) - 1)  # the first token is not committed yet
             joining.append(self._live[rid])
         if not joining:
             return

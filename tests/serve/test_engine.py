@@ -241,3 +241,22 @@ def test_warm_up_compiles_every_program_a_workload_can_dispatch():
     res = eng.generate(reqs[:1]) + eng.generate(reqs[1:3]) + eng.generate(reqs[3:])
     assert [r.finish_reason for r in res] == ["length"] * 10
     assert _compiled() == before
+
+
+@pytest.mark.parametrize("mode", ["off", "plain"])
+def test_a_request_longer_than_the_cache_finishes_at_the_cache_end(mode):
+    """The host's count of committed positions must equal the device's: when it ran one ahead, the host
+    thought a row done one round before the device did, sent no further round, and waited forever."""
+    import threading  # noqa: PLC0415
+
+    bb, weights = family("mhc")
+    model = sr.SpecModel(bb, CFG, impl="xla", propose_fn=oracle_propose)
+    eng = Engine(model, weights, EngineConfig(mode=mode, max_slots=2, max_len=16, progress=False))
+    reqs = [Request([5, 6, 7], max_tokens=m) for m in (11, 12, 40)]
+    out = []
+    worker = threading.Thread(target=lambda: out.extend(eng.generate(reqs)), daemon=True)
+    worker.start()
+    worker.join(timeout=300)
+    assert not worker.is_alive(), "generate did not return: the engine waits for a round it never sends"
+    assert [len(r.tokens) for r in out] == [11, 12, 12]  # 3 prompt + 12 tokens = max_len - 1 positions
+    assert [r.finish_reason for r in out] == ["length"] * 3
