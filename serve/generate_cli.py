@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from dspark_jax.errors import UserError
@@ -108,10 +109,19 @@ def _mesh(args):
         raise UserError(f"--mesh: {e}") from None
 
 
+def check_defaults(args: argparse.Namespace) -> None:
+    """The per-request defaults are checked once, up front: a bad one would make every line an error."""
+    if args.max_tokens < 1:
+        raise UserError(f"--max-tokens: expected an integer >= 1, got {args.max_tokens}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise UserError(f"--temperature: expected a finite number >= 0, got {args.temperature}")
+
+
 def run(args: argparse.Namespace) -> int:
     from dspark_jax.schedule import CostTable
     from dspark_jax.serve.engine import Engine, EngineConfig, Result
 
+    check_defaults(args)
     with open(args.prompts, "rb") as f:
         lines = f.read().splitlines()
     out = open_output(args.out)

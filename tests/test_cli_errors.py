@@ -30,10 +30,12 @@ CASES = [  # (argv builder, what the one line must contain)
     (lambda t: ["generate", "--random-tiny", "--prompts", str(t)], "Is a directory"),
     (lambda t: ["generate", "--bundle", str(t / "no_bundle"), "--prompts", str(_prompts(t))], "no_bundle"),
     (lambda t: ["generate", "--random-tiny", "--prompts", str(_prompts(t)), "--mesh", "data=two"], "--mesh"),
+    (lambda t: ["generate", "--random-tiny", "--prompts", str(_prompts(t)), "--temperature", "nan"], "--temperature"),
+    (lambda t: ["generate", "--random-tiny", "--prompts", str(_prompts(t)), "--max-tokens", "0"], "--max-tokens"),
 ]
 
 
-@pytest.mark.parametrize("argv,needle", CASES, ids=["missing-prompts", "out-dir", "prompts-dir", "bundle", "mesh"])
+@pytest.mark.parametrize("argv,needle", CASES, ids=["missing-prompts", "out-dir", "prompts-dir", "bundle", "mesh", "temperature", "max-tokens"])
 def test_a_user_error_is_one_line_and_exit_2(tmp_path, capsys, argv, needle):
     code, err = _run(argv(tmp_path), capsys)
     assert code == 2, err
