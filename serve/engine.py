@@ -471,7 +471,9 @@ class Engine:
             rid, req = self._queue.popleft()
             s = free.pop(0)
             self._owner[s] = rid
-            self._live[rid] = _Live(rid, req, Result(req.id, [], ""), s, len(req.prompt) - 1)  # the first token is not committed yet
+            # length = prompt + tokens - 1, as the device counts: admission commits the prompt, and
+            # its first token (counted +1 when read) is the next round's uncommitted anchor.
+            self._live[rid] = _Live(rid, req, Result(req.id, [], ""), s, len(req.prompt) - 1)
             joining.append(self._live[rid])
         if not joining:
             return

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 from dspark_jax.errors import UserError
 from dspark_jax.serve.cli_common import add_model_arguments, load_model
+from dspark_jax.serve.request_check import check_length_and_temperature
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,10 +111,8 @@ def _mesh(args):
 
 def check_defaults(args: argparse.Namespace) -> None:
     """The per-request defaults are checked once, up front: a bad one would make every line an error."""
-    if args.max_tokens < 1:
-        raise UserError(f"--max-tokens: expected an integer >= 1, got {args.max_tokens}")
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        raise UserError(f"--temperature: expected a finite number >= 0, got {args.temperature}")
+    check_length_and_temperature(args.max_tokens, args.temperature,
+                                 error=lambda field, message: UserError(f"--{field.replace('_', '-')}: {message}"))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -71,6 +71,15 @@ def check_filters(top_k, top_p, error=RequestError) -> None:
         raise error("top_p", f"expected a number in (0, 1] (1 = off), got {top_p!r}")
 
 
+def check_length_and_temperature(max_tokens, temperature, error=RequestError) -> None:
+    """max_tokens an integer >= 1, temperature a finite number >= 0; `error` as in `check_filters`
+    (`dspark generate` checks its per-request defaults with it, naming its flags)."""
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise error("max_tokens", f"expected an integer >= 1, got {max_tokens!r}")
+    if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise error("temperature", f"expected a finite number >= 0, got {temperature!r}")
+
+
 def check_request(req, *, vocab: int, max_len: int, max_stop_tokens: int):
     """-> a normalised copy of `req`, or RequestError naming the first wrong field."""
     if not isinstance(req, Request):
@@ -79,10 +88,7 @@ def check_request(req, *, vocab: int, max_len: int, max_stop_tokens: int):
     if len(prompt) + 1 >= max_len:
         raise RequestError("prompt", f"{len(prompt)} tokens does not fit the cache "
                                      f"(max_len={max_len} leaves room for {max_len - 2})")
-    if not _is_int(req.max_tokens) or req.max_tokens < 1:
-        raise RequestError("max_tokens", f"expected an integer >= 1, got {req.max_tokens!r}")
-    if not _is_real(req.temperature) or not math.isfinite(req.temperature) or req.temperature < 0:
-        raise RequestError("temperature", f"expected a finite number >= 0, got {req.temperature!r}")
+    check_length_and_temperature(req.max_tokens, req.temperature)
     check_filters(req.top_k, req.top_p)
     if not _is_int(req.seed) or not 0 <= req.seed < _SEED_LIMIT:
         raise RequestError("seed", f"expected an integer in [0, 2^32), got {req.seed!r}")

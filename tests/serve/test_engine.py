@@ -2,6 +2,8 @@
 overlap, on-device finish checks, the async scheduler's plain fallback, no host transfers in steady
 state, and bad requests that never stop the others."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -247,8 +249,6 @@ def test_warm_up_compiles_every_program_a_workload_can_dispatch():
 def test_a_request_longer_than_the_cache_finishes_at_the_cache_end(mode):
     """The host's count of committed positions must equal the device's: when it ran one ahead, the host
     thought a row done one round before the device did, sent no further round, and waited forever."""
-    import threading  # noqa: PLC0415
-
     bb, weights = family("mhc")
     model = sr.SpecModel(bb, CFG, impl="xla", propose_fn=oracle_propose)
     eng = Engine(model, weights, EngineConfig(mode=mode, max_slots=2, max_len=16, progress=False))
