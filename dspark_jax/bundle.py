@@ -28,7 +28,7 @@ from dspark_jax import spec_round as sr
 from dspark_jax.backbones.mhc import MhcBackbone, MhcConfig
 from dspark_jax.backbones.qwen3 import Qwen3Backbone, Qwen3Config
 from dspark_jax.calibration import Calibration
-from dspark_jax.checkpoint.safetensors_io import open_checkpoint, save_file, stored_shape
+from dspark_jax.checkpoint.safetensors_io import CheckpointError, open_checkpoint, save_file, stored_shape
 from dspark_jax.checkpoint.trees import check_tree
 from dspark_jax.errors import UserError, read_json_file
 from dspark_jax.schedule import CostTable
@@ -60,13 +60,19 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# Stored dtypes a floating-point parameter may be read from (cast to the parameter's dtype): the plain
+# float formats. Integers, bools and fp8 (which needs its scales) would be silently wrong weights.
+_FLOAT_STORAGE = ("F16", "BF16", "F32", "F64")
+
+
 def unflatten_strict(flat_reader, abstract: dict, what: str) -> dict:
     """Read every leaf of `abstract` from the reader by its dotted name; names and shapes must match
-    (`check_tree`, before anything is read); each leaf is cast to the abstract leaf's dtype."""
+    (`check_tree`, before anything is read), each stored dtype must be a plain float format and each value
+    finite (CheckpointError naming the tensor); each leaf is cast to the abstract leaf's dtype."""
     want = flatten(abstract)
     infos = {n: flat_reader.info(n) for n in flat_reader.names}
     check_tree({n: stored_shape(i.dtype, i.shape) for n, i in infos.items()}, want, what)
-    flat = {name: jnp.asarray(flat_reader.read(name), spec.dtype) for name, spec in want.items()}
+    flat = {name: _read_param(flat_reader, infos[name], spec.dtype, what) for name, spec in want.items()}
     out: dict = {}
     for name, arr in flat.items():
         node = out
@@ -75,6 +81,17 @@ def unflatten_strict(flat_reader, abstract: dict, what: str) -> dict:
             node = node.setdefault(p, {})
         node[leaf] = arr
     return out
+
+
+def _read_param(flat_reader, info, dtype, what: str) -> jax.Array:
+    if info.dtype not in _FLOAT_STORAGE:
+        raise CheckpointError(f"{what}: tensor '{info.name}' is stored as {info.dtype}, expected a float "
+                              f"format ({', '.join(_FLOAT_STORAGE)})")
+    value = flat_reader.read(info.name)
+    if not np.isfinite(value).all():
+        bad = int(np.size(value) - np.isfinite(value).sum())
+        raise CheckpointError(f"{what}: tensor '{info.name}' has {bad} non-finite value(s) (NaN or inf)")
+    return jnp.asarray(value, dtype)
 
 
 @dataclasses.dataclass
@@ -131,6 +148,10 @@ def load_bundle(path, *, impl: str = "auto") -> Bundle:
         cfg = drafts.config_from_dict(meta["draft"])
     except ValueError as err:
         raise UserError(f"{meta_path} 'draft': {err}") from None
+    try:  # the pairing (vocabulary, width, taps) before any tensor is read
+        model = sr.SpecModel(backbone, cfg, tap_mode=meta.get("tap_mode"), impl=impl)
+    except ValueError as err:
+        raise UserError(f"{meta_path}: {err}") from None
     bparams = unflatten_strict(open_checkpoint(path / "backbone.safetensors"), backbone.abstract_params(),
                                f"{path / 'backbone.safetensors'}")
     dparams = unflatten_strict(open_checkpoint(path / "draft.safetensors"), drafts.abstract_params(cfg),
@@ -139,7 +160,6 @@ def load_bundle(path, *, impl: str = "auto") -> Bundle:
     table = CostTable.from_json(path / "cost_table.json") if (path / "cost_table.json").is_file() else None
     tokenizer = _tokenizer(path / "tokenizer.json", backbone.vocab_size)
     temps = jnp.asarray(calibration.temperatures if calibration else np.ones(cfg.block_size), jnp.float32)
-    model = sr.SpecModel(backbone, cfg, tap_mode=meta.get("tap_mode"), impl=impl)
     weights = sr.Weights(bparams, dparams, backbone.tied(bparams), temps)
     return Bundle(model, weights, meta["backbone"].get("family"), calibration, table, tokenizer, path)
 

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax import drafts, sampling
-from dspark_jax.backbones.base import Backbone
+from dspark_jax.backbones.base import Backbone, tap_state_ids
+from dspark_jax.validation import ConfigError
 from dspark_jax.schedule import CostTable, schedule_async, schedule_sync
 from dspark_jax.verify import verify_and_accept
 
@@ -51,10 +52,31 @@ class SpecModel:
         elif self.tap_mode != family_mode:
             raise ValueError(f"SpecModel 'tap_mode': the {self.cfg.family!r} draft family reads backbone taps "
                              f"{family_mode!r}, got {self.tap_mode!r} (leave it unset to use the family's)")
+        check_draft_fits_backbone(self.cfg, self.backbone, self.tap_mode)
 
     @property
     def block_size(self) -> int:
         return self.cfg.block_size
+
+
+def check_draft_fits_backbone(cfg, backbone: Backbone, tap_mode: str) -> None:
+    """The draft reads taps the backbone has, of the backbone's width, and shares its vocabulary (the tied
+    embedding and head); a mismatch would otherwise surface as a shape error inside the first compile."""
+    if cfg.vocab_size != backbone.vocab_size:
+        raise ConfigError(f"draft config field 'vocab_size': expected the backbone's {backbone.vocab_size}, "
+                          f"got {cfg.vocab_size}")
+    if cfg.main_hidden_dim != cfg.n_taps * backbone.dim:
+        raise ConfigError(f"draft config: its width {cfg.main_hidden_dim // cfg.n_taps} ('dim' / 'hidden_size') "
+                          f"differs from the backbone's {backbone.dim}")
+    # A draft config that records its target's depth (DeepSpec's `num_target_layers`) was trained on it.
+    depth = getattr(cfg, "num_target_layers", backbone.n_layers)
+    if depth != backbone.n_layers:
+        raise ConfigError(f"draft config field 'num_target_layers': expected the backbone's {backbone.n_layers} "
+                          f"layers, got {depth}")
+    try:
+        tap_state_ids(cfg.target_layer_ids, tap_mode, backbone.n_layers)
+    except ValueError as err:
+        raise ConfigError(f"draft config field 'target_layer_ids': {str(err).removeprefix('forward: ')}") from None
 
 
 class Weights(NamedTuple):

@@ -70,6 +70,25 @@ CASES = {  # name: (break the bundle, the file the message names, a phrase it co
     "backbone tensor mis-shaped": (lambda b: _edit_tensors(b / "backbone.safetensors",
                                                            lambda t: t.update({"norm.scale": t["norm.scale"][:-1]})),
                                    "backbone.safetensors", "tensor 'norm.scale' has shape ["),
+    # dtypes and values: an integer tensor or a NaN would load as silently wrong weights
+    "draft tensor NaN": (lambda b: _edit_tensors(b / "draft.safetensors", lambda t: t["norm.scale"].__setitem__(0, np.nan)),
+                         "draft.safetensors", "tensor 'norm.scale' has 1 non-finite value(s)"),
+    "backbone tensor inf": (lambda b: _edit_tensors(b / "backbone.safetensors",
+                                                    lambda t: t["norm.scale"].__setitem__(slice(0, 2), np.inf)),
+                            "backbone.safetensors", "tensor 'norm.scale' has 2 non-finite value(s)"),
+    "draft tensor int": (lambda b: _edit_tensors(b / "draft.safetensors",
+                                                 lambda t: t.update({"norm.scale": t["norm.scale"].astype(np.int32)})),
+                         "draft.safetensors", "tensor 'norm.scale' is stored as I32, expected a float format"),
+    "draft tensor bool": (lambda b: _edit_tensors(b / "draft.safetensors",
+                                                  lambda t: t.update({"norm.scale": t["norm.scale"] > 0})),
+                          "draft.safetensors", "tensor 'norm.scale' is stored as BOOL"),
+    # the draft paired with the backbone (vocabulary, width, depth, taps), before any tensor is read
+    "draft vocab differs": (lambda b: _edit_json(b / "bundle.json", lambda d: d["draft"].update(
+        vocab_size=2 * d["draft"]["vocab_size"], mask_token_id=0)), "bundle.json", "'vocab_size': expected the backbone's"),
+    "draft target depth differs": (lambda b: _edit_json(b / "bundle.json", lambda d: d["draft"].update(
+        num_target_layers=d["draft"]["num_target_layers"] + 1)), "bundle.json", "'num_target_layers'"),
+    "draft tap ids as a string": (lambda b: _edit_json(b / "bundle.json", lambda d: d["draft"].update(
+        target_layer_ids="012")), "bundle.json", "'target_layer_ids'"),
 }
 
 

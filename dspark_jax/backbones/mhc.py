@@ -76,15 +76,16 @@ class MhcConfig:
     compute_dtype: str = "float32"
 
     def __post_init__(self):
-        ints = ["dim", "vocab_size", "n_layers", "hc_mult", "hc_sinkhorn_iters", "n_heads", "head_dim",
-                "q_lora_rank", "o_groups", "o_lora_rank", "rope_head_dim"]
-        ints += ["n_activated_experts", "moe_inter_dim"] if self.n_routed_experts else ["inter_dim"]
-        for name in ints:
-            v = getattr(self, name)
-            check_field(is_int(v) and v > 0, name, "a positive integer", v)
         for name in ("n_routed_experts", "n_shared_experts"):
             v = getattr(self, name)
             check_field(is_int(v) and v >= 0, name, "a non-negative integer", v)
+        # The FFN fields of the other kind (MoE ones for a dense model) are unused but still checked: a
+        # malformed value in the file is a mistake either way.
+        for name in ("dim", "vocab_size", "n_layers", "hc_mult", "hc_sinkhorn_iters", "n_heads", "head_dim",
+                     "q_lora_rank", "o_groups", "o_lora_rank", "rope_head_dim", "inter_dim", "n_activated_experts",
+                     "moe_inter_dim"):
+            v = getattr(self, name)
+            check_field(is_int(v) and v > 0, name, "a positive integer", v)
         check_field(self.rope_head_dim % 2 == 0 and self.rope_head_dim <= self.head_dim, "rope_head_dim",
                     f"an even number <= head_dim={self.head_dim}", self.rope_head_dim)
         check_field(self.n_heads % self.o_groups == 0, "o_groups", f"a divisor of n_heads={self.n_heads}",
@@ -92,7 +93,7 @@ class MhcConfig:
         if self.n_routed_experts:
             check_field(self.n_activated_experts <= self.n_routed_experts, "n_activated_experts",
                         f"at most n_routed_experts={self.n_routed_experts}", self.n_activated_experts)
-            check_field(self.score_func in SCORE_FUNCS, "score_func", f"one of {SCORE_FUNCS}", self.score_func)
+        check_field(self.score_func in SCORE_FUNCS, "score_func", f"one of {SCORE_FUNCS}", self.score_func)
         for name in ("rope_theta", "route_scale", "swiglu_limit"):
             v = getattr(self, name)
             check_field(is_number(v) and v > 0, name, "a positive number", v)

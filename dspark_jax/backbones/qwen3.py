@@ -111,16 +111,17 @@ class Qwen3Config:
                 raise ConfigError(f"config field '{key}' is missing (required for a Qwen3 config)")
         act = raw.get("hidden_act", "silu")
         check_field(act == "silu", "hidden_act", "'silu' (SwiGLU MLP)", act)
-        check_field(not raw.get("attention_bias", False), "attention_bias", "false (biased q/k/v/o not implemented)",
-                    raw.get("attention_bias"))
-        check_field(not raw.get("use_sliding_window", False), "use_sliding_window",
-                    "false (sliding-window layers not implemented)", raw.get("use_sliding_window"))
+        # `is False`, not falsiness: an object or 0 here is a malformed file, not a "no".
+        for key, why in (("attention_bias", "biased q/k/v/o"), ("use_sliding_window", "sliding-window layers")):
+            v = raw.get(key)
+            check_field(v is None or v is False, key, f"false ({why} not implemented)", v)
         bad_layers = [t for t in raw.get("layer_types") or () if t != "full_attention"]
         check_field(not bad_layers, "layer_types", "only 'full_attention' layers", bad_layers)
         values = {k: raw[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                       "num_attention_heads")}
         heads = raw["num_attention_heads"]
-        values["num_key_value_heads"] = raw.get("num_key_value_heads") or heads
+        kv_heads = raw.get("num_key_value_heads")
+        values["num_key_value_heads"] = heads if kv_heads is None else kv_heads  # HF: null = multi-head
         head_dim = raw.get("head_dim")
         if head_dim is None:  # HF default
             hs = raw["hidden_size"]
@@ -173,6 +174,8 @@ def _rope_theta(raw: dict) -> float:
             thetas.append((f"{key}.rope_theta", spec["rope_theta"]))
     if raw.get("rope_theta") is not None:
         thetas.append(("rope_theta", raw["rope_theta"]))
+    for name, v in thetas:
+        check_field(is_number(v) and v > 1, name, "a number > 1", v)
     if not thetas:
         return 10000.0  # transformers' default
     if len({v for _, v in thetas}) > 1:

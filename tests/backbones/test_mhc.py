@@ -165,3 +165,11 @@ def test_mhc_config_errors():
         MhcConfig.from_dict({**raw, "head_dim": 48})
     with pytest.raises(ConfigError, match=r"'n_activated_experts': expected at most n_routed_experts=4"):
         MhcConfig.from_dict({**raw, "n_activated_experts": 5})
+    # a dense model's MoE fields are unused, but a malformed value in the file is still named
+    dense = {**raw, "n_routed_experts": 0}
+    MhcConfig.from_dict(dense)
+    for key, value in (("moe_inter_dim", "32"), ("n_activated_experts", 1.5), ("score_func", None)):
+        with pytest.raises(ConfigError, match=f"'{key}': expected"):
+            MhcConfig.from_dict({**dense, key: value})
+    with pytest.raises(ConfigError, match="'n_routed_experts': expected a non-negative integer"):
+        MhcConfig.from_dict({**raw, "n_routed_experts": "4"})

@@ -83,6 +83,13 @@ def _hf_raw():
     ({"hidden_size": "64"}, r"'hidden_size'.*positive integer"),
     ({"rms_norm_eps": 0}, r"'rms_norm_eps'"),
     ({"tie_word_embeddings": "yes"}, r"'tie_word_embeddings'"),
+    # a malformed value is not read as "false" / "absent" by its falsiness
+    ({"attention_bias": {}}, r"'attention_bias'"),
+    ({"use_sliding_window": 0}, r"'use_sliding_window'"),
+    ({"num_key_value_heads": {}}, r"'num_key_value_heads'"),
+    ({"num_key_value_heads": 0}, r"'num_key_value_heads'"),
+    ({"rope_theta": [1]}, r"'rope_theta'.*number > 1"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}}, r"'rope_parameters.rope_theta'"),
 ])
 def test_qwen3_config_errors_name_the_field(change, match):
     with pytest.raises(ConfigError, match=match):

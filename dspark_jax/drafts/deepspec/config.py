@@ -166,7 +166,7 @@ class DeepSpecConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"expected a JSON object, got {type(raw).__name__}")
         arch = raw.get("architectures")
-        if arch is not None and ARCHITECTURE not in (arch or []):
+        if arch is not None and not (isinstance(arch, list) and ARCHITECTURE in arch):
             raise ConfigError(f"config field 'architectures': expected [{ARCHITECTURE!r}] for a DeepSpec draft, "
                               f"got {arch!r}")
         raw = dict(raw)
@@ -177,7 +177,7 @@ class DeepSpecConfig:
         # DeepSpec's own loader asserts the DSpark keys too; guessing them would silently change the model.
         for key in ("num_target_layers", "block_size", "mask_token_id", "target_layer_ids", "markov_rank",
                     "enable_confidence_head"):
-            if key not in raw:
+            if raw.get(key) is None:  # null is missing too: it would read as the default
                 raise ConfigError(f"config field '{key}' is missing (required for a DeepSpec draft)")
         # Dimensions, activation, biases, sliding windows and RoPE are validated exactly as for a Qwen3 target.
         base = Qwen3Config.from_hf_dict({k: v for k, v in raw.items() if k not in ("param_dtype", "compute_dtype")})

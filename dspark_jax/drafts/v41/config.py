@@ -117,7 +117,11 @@ class DSparkConfig:
 
     # ---- validation ----------------------------------------------------------------------------
     def __post_init__(self):
-        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        ids = self.target_layer_ids
+        # A JSON string "135" would iterate as digits and floats would truncate: only a list of ints.
+        check_field(isinstance(ids, (list, tuple)) and len(ids) >= 1 and all(is_int(i) and i >= 0 for i in ids),
+                    "target_layer_ids", "a non-empty list of backbone layer ids (integers >= 0)", ids)
+        object.__setattr__(self, "target_layer_ids", tuple(ids))
         check_field(self.family == FAMILY, "family",
                     f"{FAMILY!r} in a DSparkConfig (a 'qwen3' draft is a DeepSpecConfig; "
                     "dspark_jax.drafts.config_from_dict returns each family's config class)", self.family)
@@ -130,11 +134,9 @@ class DSparkConfig:
                     f"one of {list(MARKOV_HEAD_TYPES)} (case-insensitive)", self.markov_head_type)
         for name in ("markov_rank", "n_shared_experts"):
             v = getattr(self, name)
-            check_field(isinstance(v, int) and v >= 0, name, "a non-negative integer", v)
-        check_field(0 <= self.noise_token_id < self.vocab_size, "noise_token_id",
+            check_field(is_int(v) and v >= 0, name, "a non-negative integer", v)
+        check_field(is_int(self.noise_token_id) and 0 <= self.noise_token_id < self.vocab_size, "noise_token_id",
                     f"a token id in [0, vocab_size={self.vocab_size})", self.noise_token_id)
-        check_field(self.n_taps >= 1, "target_layer_ids", "a non-empty list of backbone layer ids",
-                    self.target_layer_ids)
         check_field(self.n_activated_experts <= self.n_routed_experts, "n_activated_experts",
                     f"at most n_routed_experts={self.n_routed_experts}", self.n_activated_experts)
         check_field(self.rope_head_dim % 2 == 0 and self.rope_head_dim <= self.head_dim, "rope_head_dim",

@@ -32,12 +32,18 @@ def test_config_from_a_deepspec_config_json_and_errors():
         int(np.prod(s)) for n, s in ckpt.expected_tensors(cfg).items() if n not in ckpt.TIED.values())
     for change, word in ((dict(target_layer_ids=[1, 9, 35]), "last layer"), (dict(markov_head_type="fir"), "vanilla.*gated.*rnn"),
                          (dict(mask_token_id=151936), "mask_token_id"), (dict(target_layer_ids=[9, 1]), "increasing"),
-                         (dict(attention_bias=True), "attention_bias")):
+                         (dict(attention_bias=True), "attention_bias"),
+                         (dict(target_layer_ids="1234"), "target_layer_ids"), (dict(markov_rank=True), "markov_rank")):
         with pytest.raises(ConfigError, match=word):
             config_from_dict({**raw, **change})
+    for arch in (True, "Qwen3DSparkModel"):  # a malformed list is no family's claim; the class itself names it
+        with pytest.raises(ConfigError, match="'architectures'"):
+            DeepSpecConfig.from_dict({**raw, "architectures": arch})
     for key in ("block_size", "markov_rank", "enable_confidence_head"):  # DeepSpec's loader requires them too
         with pytest.raises(ConfigError, match=f"'{key}' is missing"):
             config_from_dict({k: v for k, v in raw.items() if k != key})
+        with pytest.raises(ConfigError, match=f"'{key}' is missing"):  # null is not a value to default from
+            config_from_dict({**raw, key: None})
     # What DeepSpec's loader needs is written even when the source lacked it; no head type without a head.
     bare = {k: v for k, v in raw.items() if k not in ("num_anchors", "tie_word_embeddings")}
     written = config_from_dict({**bare, "markov_rank": 0, "confidence_head_with_markov": False}).to_hf_dict()

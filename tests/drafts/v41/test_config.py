@@ -318,3 +318,39 @@ def test_markov_head_type_is_ours_and_read_case_insensitively():
     assert DSparkConfig.from_dict({**base.to_dict(), "markov_head_type": "GATED"}).markov_head_type == "GATED"
     with pytest.raises(ConfigError, match="markov_head_type.*vanilla.*gated.*rnn"):
         DSparkConfig.from_dict({**base.to_dict(), "markov_head_type": "lstm"})
+
+
+@pytest.mark.parametrize("key,value", [
+    ("target_layer_ids", "135"),  # a string would iterate as digits (1, 3, 5)
+    ("target_layer_ids", [1.9, 3.2, 5.7]),  # floats would truncate
+    ("target_layer_ids", None),
+    ("target_layer_ids", []),
+    ("target_layer_ids", [1, True]),
+    ("n_shared_experts", True),  # JSON true is not the integer 1
+    ("markov_rank", True),
+    ("noise_token_id", True),
+    ("noise_token_id", 1.5),
+    ("noise_token_id", "1"),
+])
+def test_ints_are_ints_not_bools_strings_or_floats(key, value):
+    raw = json.loads((CONFIGS / "tiny_v41.json").read_text())
+    DSparkConfig.from_dict(raw)  # the intact file loads
+    with pytest.raises(ConfigError, match=f"config field '{key}': expected"):
+        DSparkConfig.from_dict(dict(raw, **{key: value}))
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(target_layer_ids=[1, 2, 99]), "'target_layer_ids': 'taps' [99] out of range"),
+    (dict(vocab_size=1024, noise_token_id=5), "'vocab_size': expected the backbone's"),
+    (dict(dim=128), "differs from the backbone's"),
+])
+def test_a_draft_that_does_not_fit_its_backbone_is_refused_before_any_compile(change, needle):
+    from dspark_jax import spec_round as sr
+    from dspark_jax.backbones.mhc import MhcBackbone, MhcConfig
+
+    backbone = MhcBackbone(MhcConfig.from_json(CONFIGS / "tiny_mhc_backbone.json"))
+    raw = json.loads((CONFIGS / "tiny_v41.json").read_text())
+    sr.SpecModel(backbone, DSparkConfig.from_dict(raw))  # the shipped pair fits
+    with pytest.raises(ConfigError) as info:
+        sr.SpecModel(backbone, DSparkConfig.from_dict(dict(raw, **change)))
+    assert needle in str(info.value), info.value
