@@ -12,15 +12,15 @@ prefix-survival frequency).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from dspark_jax import calibration
-from dspark_jax.errors import UserError
+from dspark_jax.errors import UserError, json_object_line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,19 +41,13 @@ def read_records(path: str | os.PathLike):
         raise ValueError(f"{path}: cannot read the records file ({err.strerror})") from None
     with f:
         for line_no, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
             where = f"{path} line {line_no}"
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise ValueError(f"{where}: not UTF-8 text (byte {err.start})") from None
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not valid JSON ({err.msg})") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+                rec = json_object_line(raw)
+            except UserError as err:
+                raise UserError(f"{where}: {err}") from None
+            if rec is None:
+                continue
             for key in ("logits", "num_accepted", "num_verified"):
                 if key not in rec:
                     raise ValueError(f"{where}: missing field '{key}'")
@@ -79,6 +73,22 @@ def read_records(path: str | os.PathLike):
     if not logits:
         raise ValueError(f"{path}: no records")
     return np.asarray(logits, np.float64), np.asarray(accepted, np.int64), np.asarray(verified, np.int64)
+
+
+def unverified_positions(num_verified, num_positions: int) -> list[int]:
+    """The 1-based positions k that no record verified (num_verified < k everywhere): nothing to fit there."""
+    most = int(np.max(num_verified)) if len(num_verified) else 0
+    return list(range(most + 1, num_positions + 1))
+
+
+def check_verified(path, num_verified, num_positions: int) -> list[int]:
+    """UserError when no record verified any position (every temperature would be a silent 1.0); else the
+    positions that keep T = 1 for want of evidence, for the caller to warn about."""
+    missing = unverified_positions(num_verified, num_positions)
+    if len(missing) == num_positions:
+        raise UserError(f"{path}: no position was verified (num_verified is 0 in all {len(num_verified)} "
+                        "records), nothing to fit; record rounds that verified at least one draft")
+    return missing
 
 
 def _is_number(x) -> bool:
@@ -132,6 +142,10 @@ def run(args: argparse.Namespace) -> int:
     if args.bins < 1:
         raise UserError(f"--bins: expected an integer >= 1, got {args.bins}")
     z, n, m = read_records(args.records)
+    missing = check_verified(args.records, m, z.shape[1])  # before any output is written
+    if missing:
+        print(f"dspark calibrate: warning: {args.records}: no record verified position(s) "
+              f"{', '.join(map(str, missing))}; their temperature stays 1.0", file=sys.stderr)
     cal = calibration.fit_sts(z, n, m, bins=args.bins)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

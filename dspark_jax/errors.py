@@ -69,3 +69,22 @@ def read_json_file(path: str | os.PathLike, what: str = "file") -> Any:
         return json.loads(text)
     except json.JSONDecodeError as err:
         raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
+
+
+def json_object_line(raw: bytes | str) -> dict | None:
+    """One JSONL line -> its JSON object, None for a blank line, or UserError saying what is wrong with it
+    (not UTF-8: the byte; not JSON: the reason and column; not an object); the caller names file and line.
+    The one line parser of every JSONL input (prompts, calibration records, training data)."""
+    try:
+        line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    except UnicodeDecodeError as err:
+        raise UserError(f"not UTF-8 text (byte {err.start})") from None
+    if not line.strip():
+        return None
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise UserError(f"not valid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(rec, dict):
+        raise UserError(f"expected a JSON object, got {type(rec).__name__}")
+    return rec

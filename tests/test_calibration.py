@@ -266,3 +266,24 @@ def test_calibrate_cli_bad_records_name_line_and_field(tmp_path, monkeypatch, ca
     err = capsys.readouterr().err
     assert match in err and str(records) in err
     assert not (tmp_path / "cal.json").exists()
+
+
+def test_calibrate_cli_refuses_records_with_no_verified_position(tmp_path, monkeypatch, capsys):
+    records = tmp_path / "records.jsonl"
+    records.write_text('{"logits": [1, 2], "num_accepted": 0, "num_verified": 0}\n' * 3)
+    assert run_cli(monkeypatch, records, "--out", tmp_path / "cal.json") == 2
+    err = capsys.readouterr().err
+    assert str(records) in err and "no position was verified" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "cal.json").exists()
+
+
+def test_calibrate_cli_warns_about_positions_no_record_verified(tmp_path, monkeypatch, capsys):
+    z, n, m = simulate_rounds(4, 400, TRUE_TEMPS)
+    m = np.minimum(m, 2)  # positions 3 and 4 never verified
+    records = tmp_path / "records.jsonl"
+    write_records(records, z, np.minimum(n, m), m)
+    assert run_cli(monkeypatch, records, "--out", tmp_path / "cal.json", "--plot-dir", tmp_path / "plots") == 0
+    err = capsys.readouterr().err
+    assert f"{records}: no record verified position(s) 3, 4; their temperature stays 1.0" in err
+    assert [float(t) for t in Calibration.load(tmp_path / "cal.json").temperatures[2:]] == [1.0, 1.0]

@@ -65,15 +65,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from dspark_jax.errors import UserError
-from dspark_jax.train.data import DataConfig
+from dspark_jax.train.data import DataConfig, DataError
+from dspark_jax.validation import ConfigError, check_field, did_you_mean, is_int, is_number
 
 
-class RunConfigError(UserError):
+class RunConfigError(ConfigError):
     """The run config is invalid; the message names the key."""
 
 
@@ -164,36 +165,13 @@ class RunConfig:
     compiler_options: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        if not isinstance(self.compiler_options, dict):
-            raise RunConfigError(f"compiler_options: expected a mapping of XLA options, got {self.compiler_options!r}")
-        for name in ("steps", "global_batch", "grad_accum"):
-            _positive_int(getattr(self, name), name)
-        if self.global_batch % self.grad_accum:
-            raise RunConfigError(f"global_batch ({self.global_batch}) must be a multiple of grad_accum "
-                                 f"({self.grad_accum})")
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise RunConfigError(f"compute_dtype: expected 'float32' or 'bfloat16', got {self.compute_dtype!r}")
-        if self.backbone.family not in ("mhc", "qwen3"):
-            raise RunConfigError(f"backbone.family: expected 'mhc' or 'qwen3', got {self.backbone.family!r}")
-        if self.backbone.tap_mode not in (None, "entry", "output"):
-            raise RunConfigError(f"backbone.tap_mode: expected 'entry' or 'output', got {self.backbone.tap_mode!r}")
-        if self.draft.config is None:
-            raise RunConfigError("draft.config: required (a draft config JSON: DSparkConfig or DeepSpec)")
-        if self.backbone.config is None and not (self.backbone.family == "qwen3" and self.backbone.params):
-            raise RunConfigError("backbone.config: required (or, for qwen3, backbone.params naming a HF folder)")
-        if self.loss.fp8_grad not in ("straight_through", "exact"):
-            raise RunConfigError(f"loss.fp8_grad: expected 'straight_through' or 'exact', got {self.loss.fp8_grad!r}")
-        if self.loss.vocab_chunk is not None:
-            _positive_int(self.loss.vocab_chunk, "loss.vocab_chunk")
-        for name in ("lr", "clip_norm", "eps"):
-            v = getattr(self.optim, name)
-            if not (isinstance(v, (int, float)) and v > 0):
-                raise RunConfigError(f"optim.{name}: expected a positive number, got {v!r}")
-        if not 0 <= self.optim.warmup_frac < 1:
-            raise RunConfigError(f"optim.warmup_frac: expected a number in [0, 1), got {self.optim.warmup_frac!r}")
-        _positive_int(self.checkpoint.every, "checkpoint.every")
-        _positive_int(self.checkpoint.keep, "checkpoint.keep")
-        _positive_int(self.log.every, "log.every")
+        _validate(self)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """What needs the model's vocabulary (known once the draft config is read, before any compile):
+        data.pad_id must be a token id, or padded positions would index past the embedding."""
+        _check(self.data.pad_id < vocab_size, "data.pad_id", f"a token id in [0, {vocab_size}) (the draft's "
+               "vocab_size)", self.data.pad_id)
 
     @property
     def micro_batch(self) -> int:
@@ -219,7 +197,7 @@ class RunConfig:
         kwargs: dict[str, Any] = {}
         for key, value in raw.items():
             if key not in top:
-                raise RunConfigError(f"unknown key '{key}' (known: {sorted(top)})")
+                raise RunConfigError(f"unknown key '{key}'{did_you_mean(str(key), top)} (known: {sorted(top)})")
             if key in sections:
                 kwargs[key] = _section(sections[key], value, key)
             else:
@@ -227,15 +205,14 @@ class RunConfig:
         if "data" not in kwargs:
             raise RunConfigError("data: required section (at least data.train)")
         base = Path(base_dir) if base_dir is not None else None
-        res = lambda p: _resolve(p, base)  # noqa: E731
-        kwargs["backbone"] = dataclasses.replace(kwargs.get("backbone", BackboneSpec()),
-                                                 config=res(kwargs.get("backbone", BackboneSpec()).config),
-                                                 params=res(kwargs.get("backbone", BackboneSpec()).params))
-        dr = kwargs.get("draft", DraftSpec())
-        kwargs["draft"] = dataclasses.replace(dr, config=res(dr.config), init=res(dr.init))
-        data = kwargs["data"]
-        kwargs["data"] = dataclasses.replace(data, train=tuple(res(p) for p in data.train),
-                                             tokenizer=res(data.tokenizer), seed=kwargs.get("seed", 0))
+        bb, dr, data = kwargs.get("backbone", BackboneSpec()), kwargs.get("draft", DraftSpec()), kwargs["data"]
+        kwargs["backbone"] = dataclasses.replace(bb, config=_resolve(bb.config, base, "backbone.config"),
+                                                 params=_resolve(bb.params, base, "backbone.params"))
+        kwargs["draft"] = dataclasses.replace(dr, config=_resolve(dr.config, base, "draft.config"),
+                                              init=_resolve(dr.init, base, "draft.init"))
+        kwargs["data"] = dataclasses.replace(data, train=tuple(_resolve(p, base, "data.train") for p in data.train),
+                                             tokenizer=_resolve(data.tokenizer, base, "data.tokenizer"),
+                                             seed=kwargs.get("seed", 0))
         try:
             return cls(**kwargs)
         except TypeError as err:
@@ -269,21 +246,30 @@ def _section(cls, value, name):
     fields = {f.name for f in dataclasses.fields(cls)}
     for key in value:
         if key not in fields:
-            raise RunConfigError(f"unknown key '{name}.{key}' (known: {sorted(fields)})")
+            raise RunConfigError(f"unknown key '{name}.{key}'{did_you_mean(str(key), fields)} "
+                                 f"(known: {sorted(fields)})")
     if cls is DataConfig and "train" not in value:
         raise RunConfigError("data.train: required (JSONL files or glob patterns)")
     if cls is DataConfig and "seed" in value:
         raise RunConfigError("data.seed: set the top-level 'seed' instead")
+    if cls is DataConfig:  # before DataConfig turns every entry into a string (`train: [1]` -> "1")
+        train = value["train"]
+        entries = [train] if isinstance(train, str) else train if isinstance(train, list) else [train]
+        _check(all(isinstance(p, str) and p for p in entries), "data.train",
+               "a JSONL file, glob pattern, or a list of them", train)
     try:
         return cls(**value)
     except TypeError as err:
         raise RunConfigError(f"{name}: {err}") from None
+    except DataError as err:  # DataConfig's own checks (data.seq_len, ...): a config error like the rest
+        raise RunConfigError(str(err)) from None
 
 
-def _resolve(p, base: Path | None):
+def _resolve(p, base: Path | None, field: str):
     if p is None:
         return None
-    p = str(p)
+    # checked here, before str(): a number or an empty string is a mistake, not a file named "3"
+    _check(_path(p), field, "a path or null", p)
     if os.path.isabs(p) or base is None:
         return p
     cand = base / p
@@ -292,6 +278,168 @@ def _resolve(p, base: Path | None):
     return p
 
 
-def _positive_int(v, name):
-    if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
-        raise RunConfigError(f"{name}: expected a positive integer, got {v!r}")
+# ---- validation ------------------------------------------------------------------------------------
+# One row per field: (dotted name, predicate, what was expected). Every field of every section has a row
+# (test_config checks that), so a value of the wrong type or out of range is refused when the YAML is read,
+# not after minutes of compiling; bools are not numbers here (YAML `true` for a rate is a mistake).
+
+_SEED_LIMIT = 2 ** 32  # jax.random.key keeps 32 bits of a seed: larger ones would collide silently
+
+
+def _positive_int(v) -> bool:
+    return is_int(v) and v > 0
+
+
+def _positive_number(v) -> bool:
+    return is_number(v) and v > 0
+
+
+def _non_negative_number(v) -> bool:
+    return is_number(v) and v >= 0
+
+
+def _fraction(v) -> bool:  # [0, 1): warmup share, Adam's decay rates (1 would never forget)
+    return is_number(v) and 0 <= v < 1
+
+
+def _seed(v) -> bool:
+    return is_int(v) and 0 <= v < _SEED_LIMIT
+
+
+def _path(v) -> bool:
+    return isinstance(v, str) and bool(v.strip())
+
+
+def _optional(pred: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or pred(v)
+
+
+def _one_of(*values) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, str) and v in values
+
+
+def _is_bool(v) -> bool:
+    return isinstance(v, bool)
+
+
+def _mesh_axis(v) -> bool:
+    return is_int(v) and (v > 0 or v == -1)
+
+
+def _xla_options(v) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and k and isinstance(x, (bool, int, float, str))
+                                       for k, x in v.items())
+
+
+_POSITIVE_INT = (_positive_int, "a positive integer")
+_POSITIVE_NUMBER = (_positive_number, "a positive finite number")
+_WEIGHT = (_non_negative_number, "a finite number >= 0")
+_FRACTION = (_fraction, "a finite number in [0, 1)")
+_SEED = (_seed, "an integer in [0, 2**32)")
+_BOOL = (_is_bool, "true or false")
+_OPTIONAL_PATH = (_optional(_path), "a path or null")
+
+_FIELD_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "run_dir": (_path, "a folder path"),
+    "seed": _SEED,
+    "steps": _POSITIVE_INT,
+    "global_batch": _POSITIVE_INT,
+    "grad_accum": _POSITIVE_INT,
+    "compute_dtype": (_one_of("float32", "bfloat16"), "'float32' or 'bfloat16'"),
+    "compiler_options": (_xla_options, "a mapping of XLA option names to scalar values"),
+    "backbone.family": (_one_of("mhc", "qwen3"), "'mhc' or 'qwen3'"),
+    "backbone.config": _OPTIONAL_PATH,
+    "backbone.params": _OPTIONAL_PATH,
+    "backbone.init_seed": _SEED,
+    "backbone.tap_mode": (_optional(_one_of("entry", "output")), "'entry', 'output' or null"),
+    "draft.config": (_optional(_path), "a draft config JSON path"),  # required: checked after, with a hint
+    "draft.init": _OPTIONAL_PATH,
+    "draft.init_seed": _SEED,
+    "data.train": (lambda v: bool(v) and all(map(_path, v)), "a list of JSONL files or glob patterns"),
+    "data.seq_len": (lambda v: is_int(v) and v >= 2, "an integer >= 2"),
+    "data.tokenizer": _OPTIONAL_PATH,
+    "data.add_special_tokens": _BOOL,
+    "data.pad_id": (lambda v: is_int(v) and v >= 0, "a token id (an integer >= 0)"),
+    "data.shuffle_buffer": _POSITIVE_INT,
+    "data.seed": _SEED,  # the top-level seed, copied here by from_dict
+    "data.anchors_per_seq": _POSITIVE_INT,
+    "optim.lr": _POSITIVE_NUMBER,
+    "optim.warmup_frac": _FRACTION,
+    "optim.weight_decay": _WEIGHT,
+    "optim.clip_norm": _POSITIVE_NUMBER,
+    "optim.b1": _FRACTION,
+    "optim.b2": _FRACTION,
+    "optim.eps": _POSITIVE_NUMBER,
+    "loss.ce_weight": _WEIGHT,
+    "loss.l1_weight": _WEIGHT,
+    "loss.conf_weight": _WEIGHT,
+    "loss.decay_gamma": _POSITIVE_NUMBER,
+    "loss.detach_conf_inputs": _BOOL,
+    "loss.vocab_chunk": (_optional(_positive_int), "a positive integer or null (the whole vocabulary)"),
+    "loss.fused": _BOOL,
+    "loss.fp8_grad": (_one_of("straight_through", "exact"), "'straight_through' or 'exact'"),
+    "mesh.data": (_mesh_axis, "a positive integer or -1 (all remaining devices)"),
+    "mesh.fsdp": (_mesh_axis, "a positive integer or -1 (all remaining devices)"),
+    "mesh.expert": (_mesh_axis, "a positive integer or -1 (all remaining devices)"),
+    "mesh.tensor": (_mesh_axis, "a positive integer or -1 (all remaining devices)"),
+    "checkpoint.every": _POSITIVE_INT,
+    "checkpoint.keep": _POSITIVE_INT,
+    "log.every": _POSITIVE_INT,
+    "distributed.coordinator": (_optional(_path), "\"host:port\" or null"),
+    "distributed.num_processes": (_optional(_positive_int), "a positive integer or null"),
+    "distributed.process_id": (_optional(lambda v: is_int(v) and v >= 0), "an integer >= 0 or null"),
+    "distributed.auto": _BOOL,
+    "distributed.cpu_collectives": (_optional(lambda v: isinstance(v, str)), "a collectives name or null"),
+}
+
+
+def _check(ok: bool, field: str, expected: str, got: Any) -> None:
+    """`check_field`'s message as a RunConfigError, the error this module's callers catch."""
+    try:
+        check_field(ok, field, expected, got)
+    except ConfigError as err:
+        raise RunConfigError(str(err)) from None
+
+
+def _field(cfg, dotted: str):
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _validate(cfg: "RunConfig") -> None:
+    """Every field's type and range (`_FIELD_CHECKS`), then the rules that tie fields together."""
+    for name, (ok, expected) in _FIELD_CHECKS.items():
+        value = _field(cfg, name)
+        _check(ok(value), name, expected + _yaml_hint(value, expected), value)
+    if cfg.global_batch % cfg.grad_accum:
+        raise RunConfigError(f"global_batch ({cfg.global_batch}) must be a multiple of grad_accum "
+                             f"({cfg.grad_accum})")
+    if cfg.draft.config is None:
+        raise RunConfigError("draft.config: required (a draft config JSON: DSparkConfig or DeepSpec)")
+    if cfg.backbone.config is None and not (cfg.backbone.family == "qwen3" and cfg.backbone.params):
+        raise RunConfigError("backbone.config: required (or, for qwen3, backbone.params naming a HF folder)")
+    loss = cfg.loss
+    if not (loss.ce_weight or loss.l1_weight or loss.conf_weight):
+        raise RunConfigError("loss: ce_weight, l1_weight and conf_weight are all 0; nothing would be trained")
+    fill = [a for a in ("data", "fsdp", "expert", "tensor") if getattr(cfg.mesh, a) == -1]
+    if len(fill) > 1:
+        raise RunConfigError(f"mesh: at most one axis may be -1 (all remaining devices), got {fill}")
+    d = cfg.distributed
+    if d.num_processes is not None and d.process_id is not None:
+        _check(d.process_id < d.num_processes, "distributed.process_id",
+               f"an integer in [0, {d.num_processes}) (num_processes)", d.process_id)
+
+
+def _yaml_hint(value, expected: str) -> str:
+    """A number field given a string that reads as a number: YAML 1.1 reads `1e-4` (no dot) and any quoted
+    value as strings, so say how to write it."""
+    if not (isinstance(value, str) and ("number" in expected or "integer" in expected)):
+        return ""
+    try:
+        if not math.isfinite(float(value)):
+            return ""
+    except ValueError:
+        return ""
+    return " (YAML read a string: write numbers unquoted, with a dot before an exponent: 1.0e-4, not 1e-4)"

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import os
 import warnings
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
-from dspark_jax.errors import UserError
+from dspark_jax.errors import UserError, json_object_line
 from dspark_jax.train.anchors import sample_anchors
 
 
@@ -261,11 +260,9 @@ class JsonlStream:
 
     def _example(self, number: int, line: bytes, where: str) -> Example:
         try:
-            rec = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError as err:
-            raise DataError(f"{where}: not UTF-8 text (byte {err.start})") from None
-        except json.JSONDecodeError as err:
-            raise DataError(f"{where}: not valid JSON ({err.msg})") from None
+            rec = json_object_line(line)
+        except UserError as err:
+            raise DataError(f"{where}: {err}") from None
         ids, mask = encode_record(rec, self.tokenizer, add_special_tokens=self.cfg.add_special_tokens, where=where)
         if self.vocab_size is not None and ids.size and int(ids.max()) >= self.vocab_size:
             raise DataError(f"{where}: token id {int(ids.max())} is outside the vocabulary ({self.vocab_size})")

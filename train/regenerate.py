@@ -36,6 +36,7 @@ from typing import Sequence
 import numpy as np
 from tqdm import tqdm
 
+from dspark_jax.errors import UserError, json_object_line
 from dspark_jax.serve.engine import Engine, EngineConfig, Request
 from dspark_jax.serve.request_check import check_filters
 from dspark_jax.train.data import DataError, encode_record, expand_paths
@@ -79,22 +80,38 @@ def request_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
-def load_documents(paths: Sequence[str], tokenizer=None) -> list[np.ndarray]:
-    """JSONL training records ("text" needs `tokenizer`, or "tokens") -> token arrays, in file order."""
+def load_documents(paths: Sequence[str], tokenizer=None, vocab_size: int | None = None) -> list[np.ndarray]:
+    """JSONL training records ("text" needs `tokenizer`, or "tokens") -> token arrays, in file order.
+    With `vocab_size`, a token outside [0, vocab_size) is an error naming the file and line, here rather
+    than as a nameless prompt error from the engine after the model is built."""
     docs = []
     for path in expand_paths(tuple(str(p) for p in paths)):
         with open(path, "rb") as f:
             for n, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                where = f"{path}:{n}"
+                where = f"{path} line {n}"
                 try:
-                    rec = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                    raise DataError(f"{where}: not valid JSON ({err})") from None
+                    rec = json_object_line(raw)
+                except UserError as err:
+                    raise DataError(f"{where}: {err}") from None
+                if rec is None:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("tokens"), list):
+                    check_token_ids(rec["tokens"], vocab_size, where)  # the exact bad token, before encoding
                 ids, _ = encode_record(rec, tokenizer, add_special_tokens=False, where=where)
+                check_token_ids(ids.tolist(), vocab_size, where)  # also a tokenizer larger than the model
                 docs.append(ids)
     return docs
+
+
+def check_token_ids(tokens: Sequence, vocab_size: int | None, where: str) -> None:
+    """DataError naming `where` and the first entry that is not a token id in [0, vocab_size) (any
+    non-negative integer when vocab_size is None)."""
+    for i, t in enumerate(tokens):
+        if not (isinstance(t, int) and not isinstance(t, bool)):
+            raise DataError(f"{where}: token {t!r} (entry {i} of 'tokens') is not a token id (an integer)")
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            span = f"[0, {vocab_size})" if vocab_size is not None else "[0, vocab_size)"
+            raise DataError(f"{where}: token {t} (entry {i} of 'tokens') outside the vocabulary {span}")
 
 
 def prompt_windows(docs: Sequence[np.ndarray], cfg: RegenConfig) -> list[list[int]]:

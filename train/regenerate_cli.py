@@ -51,17 +51,20 @@ def _temperatures(text: str) -> tuple[float, ...]:
 
 
 def _backbone(args):
-    """-> (SpecModel, Weights, tokenizer, cost table) from --train-config or the bundle arguments."""
+    """-> (tokenizer, vocab size, build) from --train-config or the bundle arguments; build() -> (SpecModel,
+    Weights, cost table). Split so the data are checked against the vocabulary before build() (for
+    --train-config, a training step's compile)."""
     if args.train_config is None:
         bundle = load_model(args)
-        return bundle.model, bundle.weights, bundle.tokenizer, bundle.cost_table
+        return (bundle.tokenizer, bundle.model.backbone.vocab_size,
+                lambda: (bundle.model, bundle.weights, bundle.cost_table))
     from dspark_jax.train.config import RunConfig
     from dspark_jax.train.data import load_tokenizer
-    from dspark_jax.train.trainer import Trainer
+    from dspark_jax.train.trainer import Trainer, build_backbone
 
     cfg = RunConfig.from_yaml(args.train_config)
-    model, weights = Trainer(cfg).spec_pair(impl=args.impl)
-    return model, weights, load_tokenizer(cfg.data.tokenizer), None
+    vocab_size = build_backbone(cfg.backbone).vocab_size  # the config alone: no parameters, no compile
+    return load_tokenizer(cfg.data.tokenizer), vocab_size, lambda: (*Trainer(cfg).spec_pair(impl=args.impl), None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,10 +76,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = RegenConfig(num_prompts=args.num_prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_tokens,
                       temperatures=_temperatures(args.temperatures), top_k=args.top_k, top_p=args.top_p,
                       seed=args.seed, slots=args.slots, mode=args.mode)
-    model, weights, tokenizer, table = _backbone(args)
+    tokenizer, vocab_size, build = _backbone(args)
     if args.tokenizer:
         tokenizer = load_tokenizer(args.tokenizer)
-    prompts = prompt_windows(load_documents(args.data, tokenizer), cfg)
+    prompts = prompt_windows(load_documents(args.data, tokenizer, vocab_size), cfg)
+    model, weights, table = build()
     stats = regenerate(model, weights, prompts, args.out, cfg, cost_table=table, progress=not args.no_progress)
     print(json.dumps(stats), file=sys.stderr)
     return 0

@@ -277,6 +277,7 @@ class Trainer:
         self.draft_cfg = drafts.load_config(cfg.draft.config).replace(param_dtype="float32",
                                                                           compute_dtype=cfg.compute_dtype)
         _check_pair(self.backbone, self.draft_cfg)
+        cfg.check_vocab(self.draft_cfg.vocab_size)  # data.pad_id, before the compile below
         self.tap_mode = _tap_mode(cfg.backbone.tap_mode, self.draft_cfg)
         n_proc = jax.process_count()
         if cfg.micro_batch % n_proc:

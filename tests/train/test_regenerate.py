@@ -145,3 +145,22 @@ def test_cli_takes_the_backbone_from_a_training_run_config(tmp_path, docs_file):
     ra, rb = ([json.loads(x)["tokens"] for x in p.read_text().splitlines()] for p in (a, b))
     assert len(ra) == 2 and all(len(t) == 7 for t in ra)
     assert [t[:4] for t in ra] == [t[:4] for t in rb]
+
+
+@pytest.mark.parametrize("bad, match", [(99999, "token 99999 (entry 1 of 'tokens') outside the vocabulary [0, {v})"),
+                                        (-3, "token -3 (entry 1 of 'tokens') outside the vocabulary [0, {v})"),
+                                        ("<eos>", "token '<eos>' (entry 1 of 'tokens') is not a token id")])
+def test_cli_names_file_and_line_of_a_token_outside_the_vocabulary(tmp_path, bundle, capsys, bad, match):
+    from dspark_jax.cli import main
+
+    vocab = bundle.model.backbone.vocab_size
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"tokens": list(range(2, 12))}) + "\n\n" + json.dumps({"tokens": [2, bad, 3]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["regenerate", "--random-tiny", "--data", str(data), "--out", str(out), "--num-prompts", "2",
+                 "--prompt-len", "4", "--max-tokens", "3", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{data} line 3: " + match.format(v=vocab) in err and "Traceback" not in err
+    assert not out.exists()
+    with pytest.raises(DataError, match="line 3"):  # the library call too, given the vocabulary
+        load_documents([str(data)], vocab_size=vocab)
