@@ -28,11 +28,17 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    """--debug; also on parsers nested under a subcommand (`dspark bench NAME --debug`), which set
+    the top-level args.debug that main() reads."""
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of a user error too (also DSPARK_DEBUG=1)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description=__doc__.splitlines()[0])
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true",
-                        help="show the traceback of a user error too (also DSPARK_DEBUG=1)")
+    add_debug_flag(common)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, parents=[common])

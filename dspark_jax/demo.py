@@ -28,6 +28,7 @@ import numpy as np
 
 from dspark_jax import configs
 from dspark_jax.acceptance_report import MIN_PLOT_ROUNDS, acceptance_bars, fmt_acc, fmt_counts
+from dspark_jax.validation import check_int_flags, check_number_flags
 
 # bundle, evaluation and serve.* import jax: they are imported inside the functions that run the demo, so
 # `dspark demo --help` and its argument errors answer without importing jax.
@@ -65,15 +66,24 @@ def _load(args):
     return load_bundle(path, impl=args.impl), Path(path)
 
 
-def _prompts(args, bundle, path):
+def check_args(args) -> None:
+    """Every numeric flag, before the model loads: a NaN temperature or 0 tokens ran the whole demo and
+    printed a table of zeros."""
+    check_int_flags(args, "prompts", "max_tokens", "max_len")
+    check_int_flags(args, "num_verify", minimum=0)
+    check_number_flags(args, "temperatures")
+
+
+def _prompts(args, bundle, path, given=None):
     from dspark_jax.evaluation import read_prompts  # noqa: PLC0415  (jax)
 
+    if given is not None:
+        return given
     if args.random_tiny:
         rng = np.random.default_rng(0)
         v = bundle.model.backbone.vocab_size
         return [{"id": i, "tokens": rng.integers(0, v, size=24).tolist()} for i in range(args.prompts)]
-    file = Path(args.prompts_file) if args.prompts_file else path / "prompts.jsonl"
-    return read_prompts(file, args.prompts)
+    return read_prompts(path / "prompts.jsonl", args.prompts)
 
 
 RUNS = 3  # timed runs per engine: this machine's speed moves by 20-40% between runs
@@ -92,15 +102,19 @@ def best_of_runs(engines: dict, reqs, timed_generate, runs: int = RUNS) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dspark_jax.evaluation import make_requests, timed_generate  # noqa: PLC0415  (jax)
+    t_start = time.perf_counter()
+    check_args(args)  # before jax is imported: a bad flag answers at once
+    from dspark_jax.evaluation import make_requests, read_prompts, timed_generate  # noqa: PLC0415  (jax)
     from dspark_jax.serve.engine import Engine, EngineConfig  # noqa: PLC0415  (jax)
     from dspark_jax.serve.profile import cached_cost_table  # noqa: PLC0415  (jax)
 
-    t_start = time.perf_counter()
+    # A --prompts-file is read (and each line checked) before the model loads; --random-tiny makes its
+    # own token prompts (the tiny model has no tokenizer) and ignores it.
+    given = read_prompts(args.prompts_file, args.prompts) if args.prompts_file and not args.random_tiny else None
     bundle, path = _load(args)
     if bundle is None:
         return 2
-    prompts = _prompts(args, bundle, path)
+    prompts = _prompts(args, bundle, path, given)
     model, weights = bundle.model, bundle.weights
     k = model.block_size
     slots = len(prompts)

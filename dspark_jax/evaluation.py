@@ -7,7 +7,6 @@ Shared by `dspark demo`, `dspark bench acceptance` and scripts/fit_calibration.p
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -19,7 +18,10 @@ from dspark_jax import spec_round as sr
 from dspark_jax.bundle import unflatten_strict
 from dspark_jax.calibration import Calibration
 from dspark_jax.checkpoint.safetensors_io import open_checkpoint
+from dspark_jax.errors import UserError
 from dspark_jax.serve.engine import Engine, Metrics, Request
+from dspark_jax.serve.request_check import prompt_record
+from dspark_jax.validation import is_int
 
 
 def default_dir() -> Path | None:
@@ -58,8 +60,25 @@ def with_temperatures(weights, temperatures):
 
 
 def read_prompts(path, limit: int | None = None) -> list[dict]:
-    recs = [json.loads(line) for line in open(path) if line.strip()]
-    return recs[:limit] if limit else recs
+    """The first `limit` (None: all) prompt records of a JSONL file; a bad line is a UserError naming the
+    file and line (`request_check.prompt_record`, the parser `dspark generate` uses; other keys, e.g. the
+    held-out files' "path", are kept as metadata)."""
+    if limit is not None and (not is_int(limit) or limit < 1):
+        # 0 used to mean "all" (`recs[:limit] if limit`); a count of prompts is at least one.
+        raise UserError(f"prompts limit: expected an integer >= 1 (None: all), got {limit!r}")
+    path = Path(path)
+    lines = path.read_bytes().splitlines()  # a missing file: an OSError naming it (one line at the CLI)
+    recs = []
+    for number, raw in enumerate(lines, 1):
+        try:
+            rec = prompt_record(raw)
+        except UserError as err:
+            raise UserError(f"{path} line {number}: {err}") from None
+        if rec is not None:
+            recs.append(rec)
+    if not recs:
+        raise UserError(f"{path}: no prompts (every line is blank)")
+    return recs if limit is None else recs[:limit]
 
 
 def make_requests(prompts: list[dict], tokenizer, *, max_tokens: int, temperature: float, seed0: int = 0,

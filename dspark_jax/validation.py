@@ -67,3 +67,49 @@ def read_json_config(path: str | Path, parse):
         return parse(raw)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
+
+
+# Command-line flags. Each subcommand checks its numeric flags first thing in run(), before any model
+# load or compile: a bad count or a NaN would otherwise surface minutes later, or not at all (a table of
+# zeros, exit 0). An argparse `type=` check would print a usage block, not the one line a UserError gets.
+
+def flag_name(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _flag_values(args, dest: str) -> list:
+    # None is an absent optional flag (its default means "off" / "all"); nargs flags hold lists.
+    value = getattr(args, dest)
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def check_int_flags(args, *dests: str, minimum: int = 1) -> None:
+    """Each flag in `dests` an integer >= minimum (counts: minimum 1), else UserError naming it."""
+    for dest in dests:
+        for v in _flag_values(args, dest):
+            if not is_int(v) or v < minimum:
+                raise UserError(f"{flag_name(dest)}: expected an integer >= {minimum}, got {v!r}")
+
+
+def check_number_flags(args, *dests: str, minimum: float = 0.0, above: bool = False,
+                       maximum: float | None = None) -> None:
+    """Each flag in `dests` a finite number >= minimum (> minimum with `above`; <= maximum when given)."""
+    expected = f"a finite number {'>' if above else '>='} {minimum:g}" + (
+        f" and <= {maximum:g}" if maximum is not None else "")
+    for dest in dests:
+        for v in _flag_values(args, dest):
+            ok = is_number(v) and (v > minimum if above else v >= minimum) and (maximum is None or v <= maximum)
+            if not ok:
+                raise UserError(f"{flag_name(dest)}: expected {expected}, got {v!r}")
+
+
+def int_list_flag(args, dest: str, minimum: int = 1) -> list[int]:
+    """A comma-separated list flag ("1,8,32") as ints >= minimum, else UserError naming the flag."""
+    text = getattr(args, dest)
+    try:
+        values = [int(x) for x in str(text).split(",")]
+    except ValueError:
+        values = None
+    if not values or any(v < minimum for v in values):
+        raise UserError(f"{flag_name(dest)}: expected comma-separated integers >= {minimum}, got {text!r}")
+    return values

@@ -2,7 +2,8 @@
 
 Input lines: {"prompt": "text"} (needs the bundle's tokenizer) or {"tokens": [ids]}, optionally with
 "id", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop" (token ids). A malformed line (bad
-JSON, not UTF-8, a bad field) is answered with an error line naming the line; the others are served.
+JSON, not UTF-8, a bad field, an unknown key, both "prompt" and "tokens") is answered with an error line
+naming the line; the others are served.
 Output lines, written and flushed as each request finishes (so an interruption keeps what was done), in
 finishing order: {"line" (1-based input line), "id", "tokens", "text" (with a tokenizer),
 "finish_reason", "error", "rounds", "accepted", "tau"}. The output path is opened before the model
@@ -17,7 +18,8 @@ import sys
 
 from dspark_jax.errors import UserError
 from dspark_jax.serve.cli_common import add_model_arguments, load_model
-from dspark_jax.serve.request_check import check_length_and_temperature
+from dspark_jax.serve.request_check import PROMPT_LINE_KEYS, check_length_and_temperature, prompt_record
+from dspark_jax.validation import check_int_flags, flag_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,22 +48,15 @@ def parse_requests(lines, tokenizer, defaults) -> tuple[list, dict]:
     reqs, errors = [], {}
     for i, raw in enumerate(lines):
         try:
-            line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-            if not line.strip():
+            rec = prompt_record(raw, PROMPT_LINE_KEYS)
+            if rec is None:
                 continue
-            rec = json.loads(line)
-            if not isinstance(rec, dict):
-                raise ValueError("expected a JSON object")
             if "tokens" in rec:
                 tokens = rec["tokens"]
-            elif "prompt" in rec:
-                if tokenizer is None:
-                    raise ValueError("'prompt' text needs a tokenizer; this model has none (give 'tokens')")
-                if not isinstance(rec["prompt"], str):
-                    raise ValueError(f"'prompt': expected a string, got {type(rec['prompt']).__name__}")
-                tokens = tokenizer.encode(rec["prompt"]).ids
+            elif tokenizer is None:
+                raise ValueError("'prompt' text needs a tokenizer; this model has none (give 'tokens')")
             else:
-                raise ValueError("expected a 'prompt' (text) or 'tokens' (ids) field")
+                tokens = tokenizer.encode(rec["prompt"]).ids
             stop = rec.get("stop", ())
             if not isinstance(stop, list | tuple):
                 raise ValueError(f"'stop': expected a list of token ids, got {type(stop).__name__}")
@@ -69,8 +64,6 @@ def parse_requests(lines, tokenizer, defaults) -> tuple[list, dict]:
                                 temperature=rec.get("temperature", defaults["temperature"]),
                                 top_k=rec.get("top_k", 0), top_p=rec.get("top_p", 1.0), seed=rec.get("seed", i),
                                 stop_tokens=tuple(stop), id=(i, rec.get("id", i))))
-        except UnicodeDecodeError as err:
-            errors[i] = f"not UTF-8 text (byte {err.start})"
         except (ValueError, TypeError) as err:
             errors[i] = str(err)
     return reqs, errors
@@ -110,9 +103,12 @@ def _mesh(args):
 
 
 def check_defaults(args: argparse.Namespace) -> None:
-    """The per-request defaults are checked once, up front: a bad one would make every line an error."""
+    """The per-request defaults are checked once, up front: a bad one would make every line an error; the
+    engine's sizes too, before the model loads."""
     check_length_and_temperature(args.max_tokens, args.temperature,
-                                 error=lambda field, message: UserError(f"--{field.replace('_', '-')}: {message}"))
+                                 error=lambda field, message: UserError(f"{flag_name(field)}: {message}"))
+    check_int_flags(args, "slots", "max_len")
+    check_int_flags(args, "num_verify", minimum=0)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,7 +13,8 @@ import math
 import numbers
 from collections.abc import Sequence
 
-from dspark_jax.errors import UserError
+from dspark_jax.errors import UserError, json_object_line
+from dspark_jax.validation import did_you_mean
 
 _SEED_LIMIT = 2 ** 32
 
@@ -103,3 +104,32 @@ def check_request(req, *, vocab: int, max_len: int, max_stop_tokens: int):
     return dataclasses.replace(req, prompt=prompt, max_tokens=max_tokens,
                                temperature=float(req.temperature), top_k=top_k, top_p=float(req.top_p),
                                seed=int(req.seed), stop_tokens=stops)
+
+
+# The keys of a `dspark generate` prompt line (README "generate reads ..."). Any other key is refused for
+# its line: a misspelled `temprature` would otherwise be ignored and the line served at the default.
+PROMPT_LINE_KEYS = ("prompt", "tokens", "id", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+
+
+def prompt_record(raw, keys: Sequence[str] | None = None) -> dict | None:
+    """One prompts-JSONL line (bytes or str) -> its JSON object, None for a blank line, or UserError saying
+    what is wrong with the line (the caller names the file and line). It holds a 'prompt' (text) or
+    'tokens' (a list), not both; with `keys`, every key must be one of them. Shared by `dspark generate`
+    (serve/generate_cli.py) and `dspark demo` / `dspark bench acceptance` (evaluation.read_prompts)."""
+    rec = json_object_line(raw)
+    if rec is None:
+        return None
+    for key in rec:
+        if keys is not None and key not in keys:
+            raise UserError(f"unknown key {key!r}{did_you_mean(key, keys)}; expected some of {', '.join(keys)}")
+    if "tokens" in rec and "prompt" in rec:
+        raise UserError("give 'tokens' or 'prompt', not both")
+    if "tokens" in rec:
+        if not isinstance(rec["tokens"], list):
+            raise UserError(f"'tokens': expected a list of token ids, got {type(rec['tokens']).__name__}")
+    elif "prompt" in rec:
+        if not isinstance(rec["prompt"], str):
+            raise UserError(f"'prompt': expected a string, got {type(rec['prompt']).__name__}")
+    else:
+        raise UserError("expected a 'prompt' (text) or 'tokens' (ids) field")
+    return rec

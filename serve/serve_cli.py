@@ -15,6 +15,7 @@ import sys
 
 from dspark_jax.errors import UserError
 from dspark_jax.serve.cli_common import add_model_arguments, load_model
+from dspark_jax.validation import check_int_flags, check_number_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,14 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
 
 
-def _check(args) -> None:
-    for name, lo in (("port", 0), ("slots", 1), ("max_len", 8), ("max_queue", 0), ("max_tokens", 1)):
-        v = getattr(args, name)
-        if v < lo or (name == "port" and v > 65535):
-            raise ValueError(f"--{name.replace('_', '-')}: expected {'a port in [0, 65535]' if name == 'port' else f'>= {lo}'}, "
-                             f"got {v}")
-    if args.grace < 0:
-        raise ValueError(f"--grace: expected >= 0 seconds, got {args.grace}")
+def check_args(args) -> None:
+    """Every numeric flag, before the model loads (`--grace inf` / `nan` failed only when the server
+    started, after the model had loaded)."""
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port: expected a port in [0, 65535], got {args.port}")
+    check_int_flags(args, "slots", "max_tokens")
+    check_int_flags(args, "max_len", minimum=8)
+    check_int_flags(args, "max_queue", "num_verify", minimum=0)
+    check_number_flags(args, "grace")  # seconds; uvicorn's shutdown timeout is int(round(grace))
 
 
 def enable_compile_cache(directory: str) -> None:
@@ -121,11 +123,7 @@ def build_app(args):
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        _check(args)
-    except ValueError as err:
-        print(f"dspark serve: {err}", file=sys.stderr)
-        return 2
+    check_args(args)
     import uvicorn
 
     app, _ = build_app(args)

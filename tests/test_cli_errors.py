@@ -82,3 +82,108 @@ def test_serve_refuses_an_unusable_compile_cache_before_any_work(tmp_path, capsy
     code, err = _run(["serve", "--random-tiny", "--compile-cache", str(blocker / "cache")], capsys)
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("dspark serve: --compile-cache") and "a_file" in err[0], err
+
+
+# Numeric flags (issue 17): each is refused in one line naming it, before any model load or compile (these
+# cases all return within the test's time: none loads a model).
+FLAG_CASES = [  # (argv builder, the command the line starts with, the flag it must name)
+    (lambda t: ["convert", str(t / "src"), str(t / "dst"), "--to", "bf16", "--max-shard-gb", "-1"], "convert",
+     "--max-shard-gb"),
+    (lambda t: ["convert", str(t / "src"), str(t / "dst"), "--to", "bf16", "--max-shard-gb", "nan"], "convert",
+     "--max-shard-gb"),
+    (lambda t: ["bench", "acceptance", "--prompts", "0"], "bench acceptance", "--prompts"),
+    (lambda t: ["bench", "acceptance", "--prompts", "-2"], "bench acceptance", "--prompts"),
+    (lambda t: ["bench", "acceptance", "--temperatures", "0", "-1"], "bench acceptance", "--temperatures"),
+    (lambda t: ["bench", "acceptance", "--slots", "0"], "bench acceptance", "--slots"),
+    (lambda t: ["demo", "--random-tiny", "--temperatures", "nan"], "demo", "--temperatures"),
+    (lambda t: ["demo", "--random-tiny", "--max-tokens", "0"], "demo", "--max-tokens"),
+    (lambda t: ["demo", "--random-tiny", "--prompts", "0"], "demo", "--prompts"),
+    (lambda t: ["serve", "--random-tiny", "--grace", "inf"], "serve", "--grace"),
+    (lambda t: ["serve", "--random-tiny", "--grace", "nan"], "serve", "--grace"),
+    (lambda t: ["serve", "--random-tiny", "--num-verify", "-1"], "serve", "--num-verify"),
+    (lambda t: ["profile", "--random-tiny", "--repeats", "0", "--out", str(t / "c.json")], "profile", "--repeats"),
+    (lambda t: ["profile", "--random-tiny", "--slots", "0", "--out", str(t / "c.json")], "profile", "--slots"),
+    (lambda t: ["generate", "--random-tiny", "--prompts", str(_prompts(t)), "--slots", "0"], "generate", "--slots"),
+    (lambda t: ["bench", "decode", "--random-tiny", "--batches", "1,x"], "bench decode", "--batches"),
+    (lambda t: ["bench", "decode", "--random-tiny", "--repeats", "0"], "bench decode", "--repeats"),
+    (lambda t: ["bench", "serve", "--random-tiny", "--min-tokens", "9", "--max-tokens", "8"], "bench serve",
+     "--min-tokens"),
+    (lambda t: ["bench", "serve", "--random-tiny", "--temperature", "nan"], "bench serve", "--temperature"),
+    (lambda t: ["bench", "serve", "--random-tiny", "--concurrency", "0"], "bench serve", "--concurrency"),
+    (lambda t: ["bench", "schedule", "--rounds", "0"], "bench schedule", "--rounds"),
+    (lambda t: ["bench", "schedule", "--t-fixed-ms", "inf"], "bench schedule", "--t-fixed-ms"),
+    (lambda t: ["bench", "verify", "--repeats", "0"], "bench verify", "--repeats"),
+    (lambda t: ["bench", "verify", "--logit-scale", "nan"], "bench verify", "--logit-scale"),
+    (lambda t: ["bench", "kernels", "--iters", "0"], "bench kernels", "--iters"),
+    (lambda t: ["bench", "memory", "--slots", "0"], "bench memory", "--slots"),
+    (lambda t: ["bench", "convert", "--shard-gb", "0"], "bench convert", "--shard-gb"),
+    (lambda t: ["bench", "convert", "--stages", "0"], "bench convert", "--stages"),
+]
+
+
+@pytest.mark.parametrize("argv,command,flag", FLAG_CASES,
+                         ids=[f"{c.replace(' ', '-')}{f}-{i}" for i, (_, c, f) in enumerate(FLAG_CASES)])
+def test_a_bad_numeric_flag_is_one_line_naming_it(tmp_path, capsys, argv, command, flag):
+    code, err = _run(argv(tmp_path), capsys)
+    assert code == 2, err
+    assert len(err) == 1 and err[0].startswith(f"dspark {command}: {flag}: expected "), err
+    assert not (tmp_path / "dst").exists() and not (tmp_path / "c.json").exists()
+
+
+def test_debug_is_accepted_after_the_benchmark_name_too():
+    with pytest.raises(UserError, match="--prompts"):
+        main(["bench", "acceptance", "--prompts", "0", "--debug"])
+    with pytest.raises(UserError, match="--prompts"):
+        main(["bench", "--debug", "acceptance", "--prompts", "0"])
+
+
+# A prompts file (demo --prompts-file, bench acceptance; evaluation.read_prompts): a bad line is named by
+# file and line, before the model loads.
+BAD_PROMPT_FILES = [  # (file content, what the one line must say after "<file> line 2: ")
+    (b'{"prompt": "a"}\n{"prompt": "\xff"}\n', "not UTF-8 text"),
+    (b'{"prompt": "a"}\nnot json\n', "not valid JSON ("),
+    (b'{"prompt": "a"}\n["a"]\n', "expected a JSON object"),
+    (b'{"prompt": "a"}\n{"id": 3}\n', "expected a 'prompt' (text) or 'tokens' (ids) field"),
+    (b'{"prompt": "a"}\n{"prompt": "b", "tokens": [1]}\n', "give 'tokens' or 'prompt', not both"),
+]
+
+
+@pytest.mark.parametrize("command", [["demo"], ["bench", "acceptance"]], ids=["demo", "bench-acceptance"])
+@pytest.mark.parametrize("content,needle", BAD_PROMPT_FILES, ids=["utf8", "json", "object", "no-prompt", "both"])
+def test_a_bad_prompts_file_line_is_named(tmp_path, capsys, command, content, needle):
+    from dspark_jax.evaluation import default_dir
+
+    if default_dir() is None:
+        pytest.skip("the embedded default model is not installed")
+    f = tmp_path / "prompts.jsonl"
+    f.write_bytes(content)
+    code, err = _run([*command, "--prompts-file", str(f)], capsys)
+    assert code == 2, err
+    assert len(err) == 1 and err[0].startswith(f"dspark {' '.join(command)}: {f} line 2: {needle}"), err
+
+
+def test_read_prompts_keeps_metadata_and_refuses_a_limit_below_one(tmp_path):
+    from dspark_jax.evaluation import read_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a", "path": "x.py"}\n\n{"tokens": [1, 2]}\n')
+    assert read_prompts(path) == [{"prompt": "a", "path": "x.py"}, {"tokens": [1, 2]}]
+    assert read_prompts(path, 1) == [{"prompt": "a", "path": "x.py"}]
+    for bad in (0, -1):  # 0 used to mean "all"
+        with pytest.raises(UserError, match="expected an integer >= 1"):
+            read_prompts(path, bad)
+
+
+def test_generate_refuses_a_bad_key_for_its_line_only(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"tokens": [1, 2], "max_tokens": 3, "id": "good"}\n'
+                       '{"tokens": [1, 2], "max_tokens": 3, "temprature": 1.0, "id": "typo"}\n'
+                       '{"tokens": [1, 2], "prompt": "x", "max_tokens": 3, "id": "both"}\n')
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--random-tiny", "--impl", "xla", "--prompts", str(prompts), "--out", str(out),
+                 "--slots", "2", "--max-len", "32"]) == 0
+    recs = {r["line"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert recs[1]["error"] is None and len(recs[1]["tokens"]) == 3
+    assert recs[2]["error"] == ("line 2: unknown key 'temprature' (did you mean 'temperature'?); expected some of "
+                                "prompt, tokens, id, max_tokens, temperature, top_k, top_p, seed, stop")
+    assert recs[3]["error"] == "line 3: give 'tokens' or 'prompt', not both"

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_jax.acceptance_report import MIN_PLOT_ROUNDS, acceptance_bars, fmt_acc, fmt_counts
+from dspark_jax.validation import check_int_flags, check_number_flags
 
 # calibration, bundle, evaluation and serve.engine import jax: they are imported inside run(), so
 # `dspark bench acceptance --help` and its argument errors answer without importing jax.
@@ -69,7 +70,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
+def check_args(args) -> None:
+    """Every numeric flag, before the model loads: `--prompts 0` meant all prompts and a negative
+    temperature printed a table of zeros."""
+    check_int_flags(args, "prompts", "max_tokens", "slots", "max_len")
+    check_number_flags(args, "temperatures")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_args(args)  # before jax is imported: a bad flag answers at once
     from dspark_jax import calibration as cal_lib  # noqa: PLC0415  (jax)
     from dspark_jax.bundle import load_bundle  # noqa: PLC0415  (jax)
     from dspark_jax.evaluation import (default_dir, load_variant, make_requests,  # noqa: PLC0415  (jax)
@@ -80,9 +89,9 @@ def run(args: argparse.Namespace) -> int:
     if path is None:
         print(missing_default_message("dspark bench acceptance", random_tiny=False), file=sys.stderr)
         return 2
-    bundle = load_bundle(path, impl=args.impl)
     prompts_file = Path(args.prompts_file) if args.prompts_file else Path(path) / "prompts.jsonl"
-    prompts = read_prompts(prompts_file, args.prompts)
+    prompts = read_prompts(prompts_file, args.prompts)  # every line checked before the model loads
+    bundle = load_bundle(path, impl=args.impl)
     print(f"bundle {path}; {len(prompts)} held-out prompts from {prompts_file}; {args.max_tokens} tokens each; "
           f"engine mode off (every draft verified), {args.slots} slots", flush=True)
 

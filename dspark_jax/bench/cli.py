@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from dspark_jax.cli import add_debug_flag
+
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "verify": ("dspark_jax.bench.verify", "verify_and_accept time per call"),
     "schedule": ("dspark_jax.bench.schedule", "scheduler throughput simulation vs concurrency"),
@@ -26,4 +28,10 @@ def run(args: argparse.Namespace) -> int:
     module = importlib.import_module(BENCHMARKS[args.name][0])
     sub = argparse.ArgumentParser(prog=f"dspark bench {args.name}", description=BENCHMARKS[args.name][1])
     module.add_arguments(sub)
-    return int(module.run(sub.parse_args(args.bench_args)) or 0)
+    add_debug_flag(sub)  # `dspark bench NAME --debug` as well as `dspark bench --debug NAME`
+    bench_args = sub.parse_args(args.bench_args)
+    # main() reads args.debug when an error comes up, and prefixes its one line with args.command: the
+    # benchmark's own parse sets the first, and the line names the benchmark ("dspark bench acceptance: ...").
+    args.debug = args.debug or bench_args.debug
+    args.command = f"bench {args.name}"
+    return int(module.run(bench_args) or 0)

@@ -29,6 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_jax.errors import UserError
+from dspark_jax.validation import check_int_flags, check_number_flags
+
 # checkpoint/ and drafts/ import jax: they are imported inside functions, so `dspark bench convert --help` and
 # its argument errors answer without importing jax; each phase process imports what it needs before it
 # reads its baseline RSS (the orbax phase alone imports jax, orbax and convert_cli).
@@ -188,12 +191,12 @@ def _run_phase(phase: str, **kw) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_int_flags(args, "stages", "experts")
+    check_number_flags(args, "shard_gb", above=True)  # <= 0 would write one shard per tensor
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     bad = [p for p in phases if p not in ("bf16", "fp8", "orbax")]
-    if bad or args.stages < 1 or args.experts < 1:
-        print(f"dspark bench convert: bad arguments (phases {bad}, stages {args.stages}, experts {args.experts})",
-              file=sys.stderr)
-        return 2
+    if bad or not phases:
+        raise UserError(f"--phases: expected a comma list of bf16, fp8, orbax, got {args.phases!r}")
     cfg = bench_config(args.stages, args.experts)
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="dspark_bench_convert_"))
     work.mkdir(parents=True, exist_ok=True)

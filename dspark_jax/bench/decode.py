@@ -39,6 +39,7 @@ from dspark_jax.serve import decode_state as ds
 from dspark_jax.serve.cli_common import add_model_arguments, load_model
 from dspark_jax.serve.engine import Engine, EngineConfig, Metrics, Request
 from dspark_jax.serve.profile import profile_cost_table
+from dspark_jax.validation import check_int_flags, int_list_flag
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -168,6 +169,10 @@ def timed_engine(model, weights, config: EngineConfig, requests, table=None, run
 
 
 def run(args: argparse.Namespace) -> int:
+    # Every flag before the model loads (a bad --batches entry used to fail after the first batch ran).
+    check_int_flags(args, "max_tokens", "max_len", "repeats")
+    batches = int_list_flag(args, "batches")
+    peer_threads = int_list_flag(args, "peer_threads", minimum=0)
     bundle = load_model(args)
     model, weights = bundle.model, bundle.weights
     peer = None
@@ -180,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             peer = peer_lib.to_transformers(model.backbone, weights.backbone)
     rows = []
-    for b in [int(x) for x in args.batches.split(",")]:
+    for b in batches:
         prompts = bench_prompts(bundle, b)
         reqs = [Request(p, max_tokens=args.max_tokens, seed=i, id=i) for i, p in enumerate(prompts)]
         row = {"batch": b}
@@ -210,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         if peer is not None:
             for compiled in (False, True):
                 name = "peer_compiled" if compiled else "peer_eager"
-                for threads in [int(t) for t in args.peer_threads.split(",")]:
+                for threads in peer_threads:
                     toks, secs = peer_lib.greedy_generate(peer, prompts, args.max_tokens, compiled=compiled,
                                                           threads=threads or None)
                     if b * args.max_tokens / secs > row.get(f"{name}_tok_s", 0.0):

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from dspark_jax.kernels.markov_sampler import markov_sample_pallas, markov_sample_reference, plan_vocab_tile
 from dspark_jax.kernels.window_attention import (plan_row_block, window_attention_pallas,
                                                  window_attention_reference)
+from dspark_jax.validation import check_int_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +106,8 @@ def _interpret_check() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_int_flags(args, "batch", "block", "heads", "head_dim", "window", "vocab", "rank", "iters")
+    check_int_flags(args, "warmup", minimum=0)
     backend = jax.default_backend()
     print(f"dspark bench kernels: backend={backend}, devices={[d.device_kind for d in jax.devices()][:1]}")
     if backend == "cpu":

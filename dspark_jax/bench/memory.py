@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from dspark_jax.errors import UserError
+from dspark_jax.validation import check_int_flags
 
 # checkpoint/, lowering, nn and parallel import jax: they are imported inside the functions that run the
 # benchmark, so `dspark bench memory --help` and its argument errors answer without importing jax.
@@ -144,6 +145,7 @@ def print_table(rows: list[dict], axes: dict[str, int], args) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_int_flags(args, "slots", "max_len")
     from dspark_jax.parallel import parse_mesh_spec  # noqa: PLC0415  (jax)
 
     try:

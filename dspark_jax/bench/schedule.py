@@ -41,6 +41,7 @@ import numpy as np
 
 from dspark_jax.errors import UserError
 from dspark_jax.schedule import CostTable, schedule_async, schedule_sync
+from dspark_jax.validation import check_int_flags, check_number_flags, int_list_flag
 
 SLOTS = 256
 
@@ -156,9 +157,12 @@ def plot(path: str, levels, theta, k: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     k = args.block_size
-    levels = [int(x) for x in args.concurrency.split(",")]
-    if k < 1 or args.rounds < 1 or any(not 1 <= r <= SLOTS for r in levels):
-        raise UserError(f"dspark bench schedule: need K >= 1, rounds >= 1, concurrency in [1, {SLOTS}]")
+    check_int_flags(args, "block_size", "rounds", "tile")
+    check_int_flags(args, "seed", minimum=0)
+    check_number_flags(args, "min_gain", "t_tile_ms")
+    check_number_flags(args, "t_fixed_ms", above=True)  # 0 with --t-tile-ms 0 is a step of no time
+    if any(r > SLOTS for r in int_list_flag(args, "concurrency")):
+        raise UserError(f"--concurrency: expected integers in [1, {SLOTS}], got {args.concurrency!r}")
     start = time.perf_counter()
     levels, theta, mean_len, table = simulate(args)
     elapsed = time.perf_counter() - start

@@ -23,7 +23,9 @@ import time
 
 import numpy as np
 
+from dspark_jax.errors import UserError
 from dspark_jax.serve.cli_common import add_model_arguments, load_model
+from dspark_jax.validation import check_int_flags, check_number_flags, int_list_flag
 
 # The engine modules import jax: they are imported inside the functions that run the benchmark, so
 # `dspark bench serve --help` and its argument errors answer without importing jax.
@@ -82,7 +84,20 @@ def closed_loop(engine, requests, concurrency: int) -> float:
     return wall
 
 
+def check_args(args) -> list[int]:
+    """Every flag before the model loads -> the concurrency levels."""
+    check_int_flags(args, "requests_per_client", "min_tokens", "max_tokens", "max_prompt", "max_len", "repeats")
+    if args.min_tokens > args.max_tokens:
+        raise UserError(f"--min-tokens: expected at most --max-tokens ({args.max_tokens}), got {args.min_tokens}")
+    check_number_flags(args, "temperature")
+    check_number_flags(args, "http_timeout", above=True)
+    if args.static:
+        int_list_flag(args, "static", minimum=0)
+    return int_list_flag(args, "concurrency")
+
+
 def run(args: argparse.Namespace) -> int:
+    levels = check_args(args)  # before jax is imported: a bad flag answers at once
     from dspark_jax.bench.decode import compiled_programs  # noqa: PLC0415  (jax)
     from dspark_jax.serve.engine import Engine, EngineConfig  # noqa: PLC0415  (jax)
     from dspark_jax.serve.profile import cached_cost_table  # noqa: PLC0415  (jax)
@@ -91,16 +106,16 @@ def run(args: argparse.Namespace) -> int:
     if args.http:
         from dspark_jax.bench.serve_http import run_http  # noqa: PLC0415  (jax, fastapi; only with --http)
 
-        rows = run_http(args, bundle, [int(x) for x in args.concurrency.split(",")], workload)
+        rows = run_http(args, bundle, levels, workload)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
         return 0
     model, weights = bundle.model, bundle.weights
     k = model.block_size
-    statics = [int(x) for x in args.static.split(",")] if args.static else list(range(1, k + 1))
+    statics = int_list_flag(args, "static", minimum=0) if args.static else list(range(1, k + 1))
     rows = []
-    for c in [int(x) for x in args.concurrency.split(",")]:
+    for c in levels:
         reqs = workload(bundle, c * args.requests_per_client, args)
         table, where = cached_cost_table(bundle, slots=c, max_len=args.max_len, progress=False)
         print(f"concurrency {c}: {len(reqs)} requests, cost table {where}", flush=True)

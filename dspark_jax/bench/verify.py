@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.sampling import SamplingParams, Stream, process_logits, sample
+from dspark_jax.validation import check_int_flags, check_number_flags
 from dspark_jax.verify import verify_and_accept
 
 # name -> (temperature, top_k, top_p), each a per-request list or a scalar
@@ -81,6 +82,9 @@ def _time(fn, inputs, repeats: int):
 
 
 def run(args: argparse.Namespace) -> int:
+    check_int_flags(args, "requests", "block", "vocab", "repeats")
+    check_int_flags(args, "seed", minimum=0)
+    check_number_flags(args, "logit_scale", "draft_noise")
     r, k, v = args.requests, args.block, args.vocab
     print(f"verify_and_accept on {jax.devices()[0].platform.upper()} ({jax.device_count()} device(s)): "
           f"R={r} K={k} V={v}, all {k} drafts verified, logits sigma={args.logit_scale}, "

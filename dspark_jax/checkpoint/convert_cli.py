@@ -26,6 +26,7 @@ from pathlib import Path
 
 from dspark_jax.checkpoint.safetensors_io import CheckpointError
 from dspark_jax.checkpoint.trees import flatten_paths
+from dspark_jax.validation import check_number_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +101,8 @@ def convert(args) -> str:
     from dspark_jax import drafts  # noqa: PLC0415
     from dspark_jax.checkpoint import orbax_io, v41  # noqa: PLC0415
 
+    # A shard size <= 0 wrote one shard per tensor and NaN failed with a bare message: refuse both first.
+    check_number_flags(args, "max_shard_gb", above=True)
     src_is_orbax = orbax_io.is_orbax_checkpoint(args.src)
     if not src_is_orbax and not args.src.exists():
         raise CheckpointError(f"{args.src}: no such file or directory")

@@ -66,3 +66,39 @@ def test_good_values_are_normalised_to_what_the_device_rows_hold():
     assert got.seed == 7 and type(got.seed) is int and got.temperature == 0.5 and type(got.temperature) is float
     assert got.stop_tokens == (3,) and got.id == "x"
     assert _check(top_k=VOCAB - 1).top_k == VOCAB - 1
+
+
+# One prompts-JSONL line (`prompt_record`, shared by `dspark generate` and evaluation.read_prompts).
+from dspark_jax.errors import UserError  # noqa: E402
+from dspark_jax.serve.request_check import PROMPT_LINE_KEYS, prompt_record  # noqa: E402
+
+BAD_LINES = [  # (raw line, what the message must say)
+    (b'{"prompt": "\xff"}', "not UTF-8 text (byte 12)"),
+    ("not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object, got list"),
+    ('{"id": 1}', "expected a 'prompt' (text) or 'tokens' (ids) field"),
+    ('{"tokens": [1], "prompt": "x"}', "give 'tokens' or 'prompt', not both"),
+    ('{"tokens": "1 2"}', "'tokens': expected a list"),
+    ('{"prompt": 5}', "'prompt': expected a string"),
+    ('{"tokens": [1], "temprature": 1.0}', "unknown key 'temprature' (did you mean 'temperature'?)"),
+]
+
+
+@pytest.mark.parametrize("raw,needle", BAD_LINES, ids=[n.split(" (")[0][:24] for _, n in BAD_LINES])
+def test_a_bad_prompt_line_says_what_is_wrong(raw, needle):
+    with pytest.raises(UserError) as info:
+        prompt_record(raw, PROMPT_LINE_KEYS)
+    assert needle in str(info.value)
+
+
+def test_good_prompt_lines_and_metadata_keys():
+    assert prompt_record("  \n", PROMPT_LINE_KEYS) is None
+    assert prompt_record(b'{"tokens": [1, 2], "stop": [3]}', PROMPT_LINE_KEYS) == {"tokens": [1, 2], "stop": [3]}
+    # Without `keys` (the held-out prompt files) other keys are metadata, kept as they are.
+    assert prompt_record('{"prompt": "def f():", "path": "a.py"}') == {"prompt": "def f():", "path": "a.py"}
+
+
+def test_the_python_api_refuses_a_misspelled_field_too():
+    # The Request dataclass is the API's counterpart of a prompt line's keys: a typo is an error there as well.
+    with pytest.raises(TypeError, match="temprature"):
+        Request(prompt=[1, 2], temprature=1.0)
