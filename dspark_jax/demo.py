@@ -28,7 +28,7 @@ import numpy as np
 
 from dspark_jax import configs
 from dspark_jax.acceptance_report import MIN_PLOT_ROUNDS, acceptance_bars, fmt_acc, fmt_counts
-from dspark_jax.validation import check_int_flags, check_number_flags
+from dspark_jax.validation import check_int_flags, check_number_flags, check_output_flags
 
 # bundle, evaluation and serve.* import jax: they are imported inside the functions that run the demo, so
 # `dspark demo --help` and its argument errors answer without importing jax.
@@ -72,6 +72,7 @@ def check_args(args) -> None:
     check_int_flags(args, "prompts", "max_tokens", "max_len")
     check_int_flags(args, "num_verify", minimum=0)
     check_number_flags(args, "temperatures")
+    check_output_flags(args, "plot")
 
 
 def _prompts(args, bundle, path, given=None):

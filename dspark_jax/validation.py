@@ -113,3 +113,19 @@ def int_list_flag(args, dest: str, minimum: int = 1) -> list[int]:
     if not values or any(v < minimum for v in values):
         raise UserError(f"{flag_name(dest)}: expected comma-separated integers >= {minimum}, got {text!r}")
     return values
+
+
+def check_output_flags(args, *dests: str) -> None:
+    """Each given output-file flag names a file that can be written: its folder exists and it is not a
+    folder itself. Checked first, so a benchmark or profile does not run for minutes and then lose its
+    result to a typo in the path (an empty or absent value means "do not write")."""
+    for dest in dests:
+        value = getattr(args, dest)
+        if not value or str(value) == "-":
+            continue
+        path = Path(value)
+        folder = path.parent if str(path.parent) else Path(".")
+        if path.is_dir():
+            raise UserError(f"{flag_name(dest)}: {path} is a folder, expected a file to write")
+        if not folder.is_dir():
+            raise UserError(f"{flag_name(dest)}: the folder of {path} does not exist (create it first)")

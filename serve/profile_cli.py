@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dspark_jax.serve.cli_common import add_model_arguments, load_model
-from dspark_jax.validation import check_int_flags
+from dspark_jax.validation import check_int_flags, check_output_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # Before the model loads: `--repeats 0` profiled for a minute, then failed on the empty measurement.
     check_int_flags(args, "slots", "max_len", "repeats")
+    check_output_flags(args, "out")
     from dspark_jax.serve.profile import profile_cost_table
 
     bundle = load_model(args)

@@ -130,6 +130,29 @@ def test_a_bad_numeric_flag_is_one_line_naming_it(tmp_path, capsys, argv, comman
     assert not (tmp_path / "dst").exists() and not (tmp_path / "c.json").exists()
 
 
+OUTPUT_CASES = [  # (argv builder given the unwritable path, the command, the flag): refused before any work
+    (lambda out: ["profile", "--random-tiny", "--out", out], "profile", "--out"),
+    (lambda out: ["demo", "--random-tiny", "--plot", out], "demo", "--plot"),
+    (lambda out: ["bench", "acceptance", "--json", out], "bench acceptance", "--json"),
+    (lambda out: ["bench", "decode", "--random-tiny", "--json", out], "bench decode", "--json"),
+    (lambda out: ["bench", "memory", "--json", out], "bench memory", "--json"),
+    (lambda out: ["bench", "schedule", "--plot", out], "bench schedule", "--plot"),
+    (lambda out: ["bench", "serve", "--random-tiny", "--plot", out], "bench serve", "--plot"),
+    (lambda out: ["bench", "convert", "--json", out], "bench convert", "--json"),
+    (lambda out: ["regenerate", "--random-tiny", "--data", "x.jsonl", "--out", out], "regenerate", "--out"),
+]
+
+
+@pytest.mark.parametrize("argv,command,flag", OUTPUT_CASES, ids=[c.replace(" ", "-") for _, c, _ in OUTPUT_CASES])
+@pytest.mark.parametrize("where", ["missing folder", "a folder"])
+def test_an_unwritable_output_path_is_refused_before_any_work(tmp_path, capsys, argv, command, flag, where):
+    out = str(tmp_path / "no_dir" / "out.json") if where == "missing folder" else str(tmp_path)
+    code, err = _run(argv(out), capsys)
+    assert code == 2, err
+    assert len(err) == 1 and err[0].startswith(f"dspark {command}: {flag}: "), err
+    assert not (tmp_path / "no_dir").exists()
+
+
 def test_debug_is_accepted_after_the_benchmark_name_too():
     with pytest.raises(UserError, match="--prompts"):
         main(["bench", "acceptance", "--prompts", "0", "--debug"])

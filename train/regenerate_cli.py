@@ -18,6 +18,7 @@ import json
 import sys
 
 from dspark_jax.serve.cli_common import add_model_arguments, load_model
+from dspark_jax.validation import check_output_flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Bad arguments and files raise UserError (DataError, RunConfigError, ...) naming them; the CLI
     # boundary prints one line and exits 2.
+    check_output_flags(args, "out")  # before the model is built: a typo in the folder would lose the work
     cfg = RegenConfig(num_prompts=args.num_prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_tokens,
                       temperatures=_temperatures(args.temperatures), top_k=args.top_k, top_p=args.top_p,
                       seed=args.seed, slots=args.slots, mode=args.mode)

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_jax.acceptance_report import MIN_PLOT_ROUNDS, acceptance_bars, fmt_acc, fmt_counts
-from dspark_jax.validation import check_int_flags, check_number_flags
+from dspark_jax.validation import check_int_flags, check_number_flags, check_output_flags
 
 # calibration, bundle, evaluation and serve.engine import jax: they are imported inside run(), so
 # `dspark bench acceptance --help` and its argument errors answer without importing jax.
@@ -75,6 +75,7 @@ def check_args(args) -> None:
     temperature printed a table of zeros."""
     check_int_flags(args, "prompts", "max_tokens", "slots", "max_len")
     check_number_flags(args, "temperatures")
+    check_output_flags(args, "plot", "json")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_jax.errors import UserError
-from dspark_jax.validation import check_int_flags, check_number_flags
+from dspark_jax.validation import check_int_flags, check_number_flags, check_output_flags
 
 # checkpoint/ and drafts/ import jax: they are imported inside functions, so `dspark bench convert --help` and
 # its argument errors answer without importing jax; each phase process imports what it needs before it
@@ -193,6 +193,7 @@ def _run_phase(phase: str, **kw) -> dict:
 def run(args: argparse.Namespace) -> int:
     check_int_flags(args, "stages", "experts")
     check_number_flags(args, "shard_gb", above=True)  # <= 0 would write one shard per tensor
+    check_output_flags(args, "json")
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     bad = [p for p in phases if p not in ("bf16", "fp8", "orbax")]
     if bad or not phases:

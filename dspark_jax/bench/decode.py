@@ -39,7 +39,7 @@ from dspark_jax.serve import decode_state as ds
 from dspark_jax.serve.cli_common import add_model_arguments, load_model
 from dspark_jax.serve.engine import Engine, EngineConfig, Metrics, Request
 from dspark_jax.serve.profile import profile_cost_table
-from dspark_jax.validation import check_int_flags, int_list_flag
+from dspark_jax.validation import check_int_flags, check_output_flags, int_list_flag
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,6 +171,7 @@ def timed_engine(model, weights, config: EngineConfig, requests, table=None, run
 def run(args: argparse.Namespace) -> int:
     # Every flag before the model loads (a bad --batches entry used to fail after the first batch ran).
     check_int_flags(args, "max_tokens", "max_len", "repeats")
+    check_output_flags(args, "json")
     batches = int_list_flag(args, "batches")
     peer_threads = int_list_flag(args, "peer_threads", minimum=0)
     bundle = load_model(args)

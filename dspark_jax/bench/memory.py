@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from dspark_jax.errors import UserError
-from dspark_jax.validation import check_int_flags
+from dspark_jax.validation import check_int_flags, check_output_flags
 
 # checkpoint/, lowering, nn and parallel import jax: they are imported inside the functions that run the
 # benchmark, so `dspark bench memory --help` and its argument errors answer without importing jax.
@@ -146,6 +146,7 @@ def print_table(rows: list[dict], axes: dict[str, int], args) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_int_flags(args, "slots", "max_len")
+    check_output_flags(args, "json")
     from dspark_jax.parallel import parse_mesh_spec  # noqa: PLC0415  (jax)
 
     try:

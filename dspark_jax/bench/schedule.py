@@ -41,7 +41,7 @@ import numpy as np
 
 from dspark_jax.errors import UserError
 from dspark_jax.schedule import CostTable, schedule_async, schedule_sync
-from dspark_jax.validation import check_int_flags, check_number_flags, int_list_flag
+from dspark_jax.validation import check_int_flags, check_number_flags, check_output_flags, int_list_flag
 
 SLOTS = 256
 
@@ -161,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     check_int_flags(args, "seed", minimum=0)
     check_number_flags(args, "min_gain", "t_tile_ms")
     check_number_flags(args, "t_fixed_ms", above=True)  # 0 with --t-tile-ms 0 is a step of no time
+    check_output_flags(args, "plot")
     if any(r > SLOTS for r in int_list_flag(args, "concurrency")):
         raise UserError(f"--concurrency: expected integers in [1, {SLOTS}], got {args.concurrency!r}")
     start = time.perf_counter()

@@ -25,7 +25,7 @@ import numpy as np
 
 from dspark_jax.errors import UserError
 from dspark_jax.serve.cli_common import add_model_arguments, load_model
-from dspark_jax.validation import check_int_flags, check_number_flags, int_list_flag
+from dspark_jax.validation import check_int_flags, check_number_flags, check_output_flags, int_list_flag
 
 # The engine modules import jax: they are imported inside the functions that run the benchmark, so
 # `dspark bench serve --help` and its argument errors answer without importing jax.
@@ -91,6 +91,7 @@ def check_args(args) -> list[int]:
         raise UserError(f"--min-tokens: expected at most --max-tokens ({args.max_tokens}), got {args.min_tokens}")
     check_number_flags(args, "temperature")
     check_number_flags(args, "http_timeout", above=True)
+    check_output_flags(args, "plot", "json")
     if args.static:
         int_list_flag(args, "static", minimum=0)
     return int_list_flag(args, "concurrency")
