@@ -29,6 +29,7 @@ from dspark_jax.backbones.mhc import MhcBackbone, MhcConfig
 from dspark_jax.backbones.qwen3 import Qwen3Backbone, Qwen3Config
 from dspark_jax.calibration import Calibration
 from dspark_jax.checkpoint.safetensors_io import CheckpointError, open_checkpoint, save_file, stored_shape
+from dspark_jax.checkpoint.formats import check_finite
 from dspark_jax.checkpoint.trees import check_tree
 from dspark_jax.errors import UserError, read_json_file
 from dspark_jax.schedule import CostTable
@@ -88,9 +89,7 @@ def _read_param(flat_reader, info, dtype, what: str) -> jax.Array:
         raise CheckpointError(f"{what}: tensor '{info.name}' is stored as {info.dtype}, expected a float "
                               f"format ({', '.join(_FLOAT_STORAGE)})")
     value = flat_reader.read(info.name)
-    if not np.isfinite(value).all():
-        bad = int(np.size(value) - np.isfinite(value).sum())
-        raise CheckpointError(f"{what}: tensor '{info.name}' has {bad} non-finite value(s) (NaN or inf)")
+    check_finite(value, f"{what}: tensor '{info.name}'")
     return jnp.asarray(value, dtype)
 
 

@@ -72,10 +72,10 @@ CASES = {  # name: (break the bundle, the file the message names, a phrase it co
                                    "backbone.safetensors", "tensor 'norm.scale' has shape ["),
     # dtypes and values: an integer tensor or a NaN would load as silently wrong weights
     "draft tensor NaN": (lambda b: _edit_tensors(b / "draft.safetensors", lambda t: t["norm.scale"].__setitem__(0, np.nan)),
-                         "draft.safetensors", "tensor 'norm.scale' has 1 non-finite value(s)"),
+                         "draft.safetensors", "tensor 'norm.scale': 1 non-finite value(s)"),
     "backbone tensor inf": (lambda b: _edit_tensors(b / "backbone.safetensors",
                                                     lambda t: t["norm.scale"].__setitem__(slice(0, 2), np.inf)),
-                            "backbone.safetensors", "tensor 'norm.scale' has 2 non-finite value(s)"),
+                            "backbone.safetensors", "tensor 'norm.scale': 2 non-finite value(s)"),
     "draft tensor int": (lambda b: _edit_tensors(b / "draft.safetensors",
                                                  lambda t: t.update({"norm.scale": t["norm.scale"].astype(np.int32)})),
                          "draft.safetensors", "tensor 'norm.scale' is stored as I32, expected a float format"),

@@ -28,6 +28,7 @@ import numpy as np
 from dspark_jax.checkpoint.safetensors_io import (
     CheckpointError, CheckpointReader, SafetensorsWriter, TensorSpec, open_checkpoint,
 )
+from dspark_jax.checkpoint.formats import check_finite
 from dspark_jax.checkpoint.trees import check_tree, flatten_paths, match_table, unflatten_paths
 
 TIED = {"embed": "embed_tokens.weight", "head": "lm_head.weight"}
@@ -188,13 +189,18 @@ def load_deepspec_draft(path: str | os.PathLike, cfg=None, *, dtype: str | None 
     reader = open_checkpoint(path)
     items = _validate(reader, cfg, with_tied)
     dt = _dtype(cfg.param_dtype)
+    def read(name):
+        value = reader.view(name)
+        check_finite(value, f"{reader.info(name).file}: tensor '{name}'")
+        return value
+
     flat = {}
     for it in items:
         fwd = TRANSFORMS[it.entry.transform][0]
-        parts = [np.asarray(fwd(reader.view(n))).astype(dt) for n in it.names]
+        parts = [np.asarray(fwd(read(n))).astype(dt) for n in it.names]
         flat[it.path] = np.stack(parts) if it.entry.per_layer else parts[0]
     params = unflatten_paths(flat)
-    tied = {k: np.asarray(reader.view(n)).astype(dt) for k, n in TIED.items()} if with_tied else None
+    tied = {k: np.asarray(read(n)).astype(dt) for k, n in TIED.items()} if with_tied else None
     return cfg, params, tied
 
 

@@ -91,6 +91,18 @@ def fp8_scale_shape(shape: tuple[int, int]) -> tuple[int, int]:
     return (-(-out // FP8_BLOCK), -(-inn // FP8_BLOCK))
 
 
+def check_finite(x: np.ndarray, what: str) -> None:
+    """CheckpointError naming `what` when a float tensor holds NaN or inf: a weight that would load as
+    silently wrong outputs. Counted in row chunks, so a large embedding needs no full-size mask."""
+    x = np.asarray(x)
+    rows = x.reshape(x.shape[0], -1) if x.ndim > 1 else x.reshape(1, -1)
+    step = _rows_per_chunk(rows.shape[1], 1)
+    bad = sum(int(np.size(rows[r0:r0 + step]) - np.count_nonzero(np.isfinite(rows[r0:r0 + step])))
+              for r0 in range(0, rows.shape[0], step))
+    if bad:
+        raise CheckpointError(f"{what}: {bad} non-finite value(s) (NaN or inf)")
+
+
 def check_e4m3(weight: np.ndarray, name: str = "weight", row0: int = 0) -> None:
     """Reject E4M3 NaN bytes (S.1111.111) in a 2-D fp8 weight (rows from `row0`), naming the first."""
     w = _as_u8(np.asarray(weight))

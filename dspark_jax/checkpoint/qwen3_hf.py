@@ -24,6 +24,7 @@ import numpy as np
 
 from dspark_jax.backbones.base import as_dtype
 from dspark_jax.backbones.qwen3 import Qwen3Backbone, Qwen3Config
+from dspark_jax.checkpoint.formats import check_finite
 from dspark_jax.checkpoint.safetensors_io import CheckpointError, open_checkpoint
 from dspark_jax.checkpoint.trees import check_tree, flatten_paths
 
@@ -88,7 +89,9 @@ def load_qwen3_hf(path: str | Path, **overrides) -> tuple[Qwen3Config, dict]:
         dtype = reader.info(name).dtype
         if dtype not in ("F32", "F16", "BF16"):
             raise CheckpointError(f"{path}: tensor '{name}' has dtype {dtype}, expected F32, F16 or BF16")
-        return transform(np.asarray(reader.view(name), np.float32)).astype(pd)
+        value = reader.view(name)
+        check_finite(value, f"{path}: tensor '{name}'")
+        return transform(np.asarray(value, np.float32)).astype(pd)
 
     layers: dict[str, dict[str, np.ndarray]] = {}
     for suffix, (mod, leaf), _, transform in hf_layer_map(cfg):

@@ -316,6 +316,7 @@ def read_dequantized(reader: CheckpointReader, src: Source, dtype, out: np.ndarr
     """The tensor in checkpoint layout as `dtype` (fp8 / fp4 dequantised; exact in bf16 and f32)."""
     w = reader.view(src.name)
     if src.fmt == "plain":
+        formats.check_finite(w, f"{reader.info(src.name).file}: tensor '{src.name}'")
         if out is None:
             return w.astype(dtype)  # always a copy: releases the file mapping
         out[...] = w

@@ -58,6 +58,9 @@ def test_checkpoint_loader_is_strict_and_names_the_tensor(checkpoint, tmp_path):
                   "unexpected.*layers.2.input_layernorm.weight"),
         "shape": ({**weights, "fc.weight": weights["fc.weight"][:, :-1]}, "'fc.weight' has shape"),
         "prefixed": ({f"model.{k}": v for k, v in weights.items()}, "missing"),
+        "nan": ({**weights, "fc.weight": np.where(np.arange(weights["fc.weight"].size).reshape(weights["fc.weight"].shape)
+                                                  == 1, np.nan, weights["fc.weight"])},
+                "tensor 'fc.weight': 1 non-finite value"),
     }
     head = raw["markov_head_type"].lower()
     if head == "gated":  # the head's gate_proj, not a layer's mlp.gate_proj, is named

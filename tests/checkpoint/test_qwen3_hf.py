@@ -69,6 +69,11 @@ def test_qwen3_loader_is_strict(qwen3_hf_both, tmp_path):
     with pytest.raises(CheckpointError, match=r"'model\.layers\.2\.self_attn\.k_proj\.weight' has shape \[63, 64\], "
                                               r"expected \[64, 64\]"):
         load_qwen3_hf(bad)
+    def nan_norm(t):
+        t["model.norm.weight"] = t["model.norm.weight"].copy()
+        t["model.norm.weight"][3] = np.nan
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight': 1 non-finite value\(s\)"):
+        load_qwen3_hf(_rewrite(folder, tmp_path / "nan", nan_norm))
     if cfg.tie_word_embeddings:  # a stored head must then BE the embedding
         def differing_head(t):
             t["lm_head.weight"] = t["model.embed_tokens.weight"] + 1

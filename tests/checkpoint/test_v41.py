@@ -152,6 +152,7 @@ def _tiny_case(tmp_path, **kw):
     ("wrong_dtype", r"tensor 'mtp\.0\.attn\.wq_a\.weight': dtype I32 is not a weight storage dtype"),
     ("wrong_scale_dtype", r"tensor 'mtp\.0\.attn\.wkv\.scale': dtype U8, expected F8_E8M0"),
     ("nan_scale", r"mtp\.1\.attn\.wo_b\.scale: E8M0 scale byte 255 \(NaN\)"),
+    ("nan_plain", r"tensor 'mtp\.1\.markov_head\.embed\.weight': 2 non-finite value\(s\) \(NaN or inf\)"),
 ])
 def test_loader_is_strict(tmp_path, case, pattern):
     if case == "missing":
@@ -190,6 +191,9 @@ def test_loader_is_strict(tmp_path, case, pattern):
     elif case == "nan_scale":
         load = _tiny_case(tmp_path, replace={"mtp.1.attn.wo_b.weight": [("F8_E4M3", (64, 64), bytes(4096)),
                                                                         ("F8_E8M0", (2, 2), b"\x7f\xff\x7f\x7f")]})
+    elif case == "nan_plain":  # a bf16 NaN (0x7FC0) and +inf (0x7F80) among zeros
+        load = _tiny_case(tmp_path, replace={"mtp.1.markov_head.embed.weight": [
+            ("BF16", (512, 16), b"\xc0\x7f\x80\x7f" + bytes(512 * 16 * 2 - 4))]})
     with pytest.raises(CheckpointError, match=pattern):
         load()
 
