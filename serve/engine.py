@@ -45,6 +45,8 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
+import numbers
 import time
 import warnings
 from typing import Any, Callable, Iterator, Sequence
@@ -58,6 +60,7 @@ from dspark_jax.errors import UserError
 from dspark_jax.schedule import CostTable, width_buckets
 from dspark_jax.serve import decode_state as ds
 from dspark_jax.serve.request_check import Request, RequestError, check_request  # noqa: F401 (re-exported)
+from dspark_jax.validation import ConfigError
 
 MODES = ("off", "fixed", "sync", "async", "plain")
 # Plain steps between the async engine's probes when the capacity is 0: doubling from a floor to the
@@ -123,14 +126,25 @@ class EngineConfig:
     max_deferred_ingest: int = 32
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"engine 'mode': expected one of {MODES}, got {self.mode!r}")
-        if self.max_slots < 1 or self.max_len < 2:
-            raise ValueError(f"engine needs max_slots >= 1 and max_len >= 2, got {self.max_slots}, {self.max_len}")
-        if self.rounds_per_call < 1:
-            raise ValueError(f"engine 'rounds_per_call': expected >= 1, got {self.rounds_per_call}")
-        if self.max_stop_tokens < 1:
-            raise ValueError(f"engine 'max_stop_tokens': expected >= 1, got {self.max_stop_tokens}")
+        # Types first (a str or float count would fail later inside a compile; bools are not counts;
+        # NumPy scalars are fine: this is a Python API).
+        def check(ok: bool, name: str, expected: str) -> None:
+            if not ok:
+                raise ConfigError(f"engine '{name}': expected {expected}, got {getattr(self, name)!r}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        check(self.mode in MODES, "mode", f"one of {MODES}")
+        for name, least in (("max_slots", 1), ("max_len", 2), ("min_prompt_bucket", 1), ("max_stop_tokens", 1),
+                            ("rounds_per_call", 1), ("max_deferred_ingest", 0)):
+            check(is_int(getattr(self, name)) and getattr(self, name) >= least, name, f"an integer >= {least}")
+        check(self.num_verify is None or is_int(self.num_verify) and self.num_verify >= 0, "num_verify",
+              "None or an integer >= 0")
+        check(isinstance(self.min_gain, numbers.Real) and not isinstance(self.min_gain, bool)
+              and math.isfinite(self.min_gain), "min_gain", "a finite number")
+        for name in ("progress", "profile_on_start", "record_rounds"):
+            check(isinstance(getattr(self, name), bool), name, "True or False")
         if self.max_deferred_ingest and self.max_deferred_ingest < self.rounds_per_call:
             raise ValueError(f"engine 'max_deferred_ingest': expected 0 or >= rounds_per_call "
                              f"({self.rounds_per_call}), got {self.max_deferred_ingest}")

@@ -276,9 +276,16 @@ class Trainer:
         self.backbone = build_backbone(cfg.backbone)
         self.draft_cfg = drafts.load_config(cfg.draft.config).replace(param_dtype="float32",
                                                                           compute_dtype=cfg.compute_dtype)
-        _check_pair(self.backbone, self.draft_cfg)
-        cfg.check_vocab(self.draft_cfg.vocab_size)  # data.pad_id, before the compile below
         self.tap_mode = _tap_mode(cfg.backbone.tap_mode, self.draft_cfg)
+        sr.check_draft_fits_backbone(self.draft_cfg, self.backbone, self.tap_mode)
+        # Everything a user names (data.pad_id, the data files, the tokenizer) is checked before the compile
+        # below, which takes minutes at real sizes; the stream only opens files when it is read.
+        cfg.check_vocab(self.draft_cfg.vocab_size)
+        self._stream = JsonlStream(cfg.data, vocab_size=self.draft_cfg.vocab_size)
+        for field, path, given in (("backbone.params", cfg.backbone.params, backbone_params),
+                                   ("draft.init", cfg.draft.init, draft_params)):
+            if path is not None and given is None and not Path(path).exists():
+                raise UserError(f"{field}: {path} does not exist")
         n_proc = jax.process_count()
         if cfg.micro_batch % n_proc:
             raise ValueError(f"global_batch / grad_accum = {cfg.micro_batch} sequences per micro-batch must be a "
@@ -361,8 +368,7 @@ class Trainer:
     # ---- data ------------------------------------------------------------------------------------
     def batches(self) -> Batches:
         if self._batches is None:
-            stream = JsonlStream(self.cfg.data, vocab_size=self.draft_cfg.vocab_size)
-            self._batches = Batches(stream, self.cfg.micro_batch // jax.process_count(), self.cfg.grad_accum)
+            self._batches = Batches(self._stream, self.cfg.micro_batch // jax.process_count(), self.cfg.grad_accum)
         return self._batches
 
     def _seek_data(self, step: int) -> None:
@@ -512,13 +518,6 @@ def _tap_mode(requested: str | None, cfg) -> str:
         raise ValueError(f"backbone.tap_mode: the {cfg.family!r} draft family reads backbone taps {cfg.tap_mode!r}, "
                          f"got {requested!r} (leave it unset to use the family's)")
     return cfg.tap_mode
-
-
-def _check_pair(backbone, cfg) -> None:
-    if backbone.vocab_size != cfg.vocab_size:
-        raise ValueError(f"draft vocab_size {cfg.vocab_size} != backbone vocab_size {backbone.vocab_size}")
-    if backbone.dim != cfg.dim:
-        raise ValueError(f"draft dim {cfg.dim} != backbone dim {backbone.dim} (the embedding and head are tied)")
 
 
 class _Null:

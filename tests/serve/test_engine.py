@@ -260,3 +260,17 @@ def test_a_request_longer_than_the_cache_finishes_at_the_cache_end(mode):
     assert not worker.is_alive(), "generate did not return: the engine waits for a round it never sends"
     assert [len(r.tokens) for r in out] == [11, 12, 12]  # 3 prompt + 12 tokens = max_len - 1 positions
     assert [r.finish_reason for r in out] == ["length"] * 3
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_slots", "8"), ("max_slots", True), ("max_len", 1.5), ("max_len", 1), ("mode", "turbo"),
+    ("num_verify", -1), ("num_verify", 2.0), ("min_gain", float("nan")), ("min_prompt_bucket", 0),
+    ("max_stop_tokens", None), ("rounds_per_call", 0), ("max_deferred_ingest", -1), ("progress", 1),
+    ("record_rounds", "yes"),
+])
+def test_engine_config_names_a_bad_field_before_anything_compiles(field, value):
+    from dspark_jax.validation import ConfigError
+
+    EngineConfig(max_slots=np.int64(2), min_gain=np.float32(0.5))  # NumPy scalars are fine (Python API)
+    with pytest.raises(ConfigError, match=f"engine '{field}': expected"):
+        EngineConfig(**{field: value})

@@ -213,3 +213,34 @@ def test_train_cli_refuses_before_compiling(tmp_path, monkeypatch, capsys, field
     assert main(["train", "--config", str(path), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert match in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("data.train", ["nomatch*.jsonl"], "data.train: pattern 'nomatch*.jsonl' matches no file"),
+    ("data.tokenizer", "missing_tokenizer.json", "data.tokenizer: cannot load"),
+    ("backbone.params", "missing_ckpt", "backbone.params: "),
+    ("draft.init", "missing_ckpt", "draft.init: "),
+])
+def test_train_cli_checks_named_files_before_compiling(tmp_path, monkeypatch, capsys, field, value, match):
+    """The data files, the tokenizer and the checkpoints a run config names are looked at before the step's
+    compile (minutes at real sizes): one line naming the field, exit 2."""
+    import yaml
+
+    from dspark_jax.cli import main
+    import dspark_jax.train.trainer as T
+
+    monkeypatch.setattr(sys, "argv", sys.argv[:])  # cli.main rewrites sys.argv; restore it after
+    raw = yaml.safe_load((CONFIGS / "train_tiny.yaml").read_text())
+    raw["backbone"]["config"] = str(CONFIGS / "tiny_mhc_backbone.json")
+    raw["draft"]["config"] = str(CONFIGS / "tiny_v41.json")
+    raw["data"]["train"] = [str(CONFIGS / "../tests/data/tiny_train.jsonl")]
+    raw["run_dir"] = str(tmp_path / "run")
+    section, key = field.split(".")
+    raw[section][key] = value
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.setattr(T, "compile_step", lambda spec: pytest.fail("compiled before the named files were checked"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", str(path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
