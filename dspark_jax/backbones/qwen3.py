@@ -29,6 +29,7 @@ The Hugging Face name table and loader are `dspark_jax.checkpoint.qwen3_hf` (`lo
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -44,7 +45,7 @@ from dspark_jax.nn.linear import mixed_einsum
 from dspark_jax.nn.norm import RMSNorm, rms_norm
 from dspark_jax.nn.params import param
 from dspark_jax.nn.qwen3_layer import Qwen3DecoderLayer
-from dspark_jax.validation import ConfigError, check_field, is_number, read_json_config
+from dspark_jax.validation import ConfigError, check_field, did_you_mean, is_number, read_json_config
 
 DTYPES = ("float32", "bfloat16")
 
@@ -102,6 +103,7 @@ class Qwen3Config:
         """Read a Hugging Face Qwen3 `config.json` dict; `overrides` set our own fields (dtypes)."""
         if not isinstance(raw, dict):
             raise ConfigError(f"expected a JSON object, got {type(raw).__name__}")
+        _check_typos(raw)
         mt = raw.get("model_type", "qwen3")
         if mt != "qwen3":
             raise ConfigError(f"config field 'model_type': expected 'qwen3', got {mt!r}"
@@ -154,6 +156,23 @@ class Qwen3Config:
 
     def replace(self, **changes) -> "Qwen3Config":
         return dataclasses.replace(self, **changes)
+
+
+# The keys `from_hf_dict` reads, and keys of Hugging Face Qwen3 configs it knows and does not read. An other
+# key that is a near miss of a read one (`rms_norm_epsilon`) is a typo that would leave the field at its
+# default; every other key (generic transformers keys, a draft's own) passes, as transformers lets it.
+_READ_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+              "tie_word_embeddings", "max_position_embeddings", "attention_bias", "use_sliding_window", "layer_types",
+              "hidden_act", "model_type", "param_dtype", "compute_dtype")
+_KNOWN_UNREAD = frozenset({"sliding_window", "max_window_layers", "moe_intermediate_size"})
+
+
+def _check_typos(raw: dict) -> None:
+    typos = sorted(k for k in raw if k not in _READ_KEYS and k not in _KNOWN_UNREAD
+                   and difflib.get_close_matches(k, _READ_KEYS, 1, 0.85))
+    if typos:
+        raise ConfigError("unknown config key(s) " + ", ".join(f"'{k}'{did_you_mean(k, _READ_KEYS)}" for k in typos))
 
 
 def _rope_theta(raw: dict) -> float:

@@ -89,6 +89,9 @@ def _hf_raw():
     ({"num_key_value_heads": {}}, r"'num_key_value_heads'"),
     ({"num_key_value_heads": 0}, r"'num_key_value_heads'"),
     ({"rope_theta": [1]}, r"'rope_theta'.*number > 1"),
+    # a near miss of a key we read would leave that field at its default
+    ({"rms_norm_epsilon": 1e-5}, r"'rms_norm_epsilon' \(did you mean 'rms_norm_eps'\?\)"),
+    ({"num_key_value_head": 2}, r"'num_key_value_head' \(did you mean 'num_key_value_heads'\?\)"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}}, r"'rope_parameters.rope_theta'"),
 ])
 def test_qwen3_config_errors_name_the_field(change, match):
