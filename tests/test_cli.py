@@ -9,6 +9,7 @@ from dspark_jax.cli import main
 from dspark_jax.schedule import CostTable
 
 
+@pytest.mark.slow  # 20-65 s: in the CI's slow step, to keep the default suite near 20 min
 def test_profile_then_generate_async(tmp_path, capsys):
     table = tmp_path / "cost.json"
     assert main(["profile", "--random-tiny", "--impl", "xla", "--slots", "2", "--max-len", "64", "--repeats", "1",
@@ -33,6 +34,7 @@ def test_profile_then_generate_async(tmp_path, capsys):
     assert summary["tokens"] == 9 and summary["emitted"] == 7  # 2 first tokens come from prefill
 
 
+@pytest.mark.slow  # 20-65 s: in the CI's slow step, to keep the default suite near 20 min
 def test_engine_profiles_its_cost_table_at_start_when_asked():
     from dspark_jax.bundle import random_bundle
     from dspark_jax.configs import CONFIGS

@@ -144,6 +144,7 @@ def test_a_cost_table_measured_for_a_smaller_engine_is_refused_or_capped_with_a_
     _engine("off", slots=3, table=CostTable(np.array([1, 2]), np.array([100.0, 90.0])))  # plain: unused
 
 
+@pytest.mark.slow  # 20-65 s: in the CI's slow step, to keep the default suite near 20 min
 def test_async_scheduler_learns_that_overconfident_drafts_do_not_pay():
     """On a table where sure drafts pay, a draft that claims confidence ~1 but is never accepted gets
     verified for a few rounds only: the realized / predicted acceptance scale then sends the engine to

@@ -278,6 +278,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # 20-65 s: in the CI's slow step, to keep the default suite near 20 min
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0():
     """`dspark serve` in a subprocess: SIGTERM mid-stream; the stream completes, new work is refused, exit 0."""
     import signal

@@ -75,6 +75,7 @@ def test_continuations_are_the_backbones_own(full_run, bundle, prompts):
     assert [g.tokens for g in got] == [r["tokens"][CFG.prompt_len:] for r in recs]
 
 
+@pytest.mark.slow  # 20-65 s: in the CI's slow step, to keep the default suite near 20 min
 def test_speculative_mode_gives_the_same_greedy_data(tmp_path, bundle, prompts, full_run):
     cfg = RegenConfig(**{**CFG.fingerprint(), "mode": "fixed", "slots": 3})
     out = tmp_path / "spec.jsonl"
@@ -132,6 +133,7 @@ def test_cli_writes_the_file_and_names_bad_arguments(tmp_path, docs_file, capsys
     assert "prompt-len" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 20-65 s: in the CI's slow step, to keep the default suite near 20 min
 def test_cli_takes_the_backbone_from_a_training_run_config(tmp_path, docs_file):
     """--train-config: data before any draft exists (the build script's path), from the run's frozen
     backbone (here a random init of its own); the prompts depend only on the data and the seed."""
