@@ -95,7 +95,7 @@ def load_documents(paths: Sequence[str], tokenizer=None, vocab_size: int | None 
                     raise DataError(f"{where}: {err}") from None
                 if rec is None:
                     continue
-                if isinstance(rec, dict) and isinstance(rec.get("tokens"), list):
+                if isinstance(rec.get("tokens"), list):
                     check_token_ids(rec["tokens"], vocab_size, where)  # the exact bad token, before encoding
                 ids, _ = encode_record(rec, tokenizer, add_special_tokens=False, where=where)
                 check_token_ids(ids.tolist(), vocab_size, where)  # also a tokenizer larger than the model

@@ -84,21 +84,20 @@ def closed_loop(engine, requests, concurrency: int) -> float:
     return wall
 
 
-def check_args(args) -> list[int]:
-    """Every flag before the model loads -> the concurrency levels."""
+def check_args(args) -> tuple[list[int], list[int] | None]:
+    """Every flag before the model loads -> (the concurrency levels, the --static counts or None)."""
     check_int_flags(args, "requests_per_client", "min_tokens", "max_tokens", "max_prompt", "max_len", "repeats")
     if args.min_tokens > args.max_tokens:
         raise UserError(f"--min-tokens: expected at most --max-tokens ({args.max_tokens}), got {args.min_tokens}")
     check_number_flags(args, "temperature")
     check_number_flags(args, "http_timeout", above=True)
     check_output_flags(args, "plot", "json")
-    if args.static:
-        int_list_flag(args, "static", minimum=0)
-    return int_list_flag(args, "concurrency")
+    statics = int_list_flag(args, "static", minimum=0) if args.static else None
+    return int_list_flag(args, "concurrency"), statics
 
 
 def run(args: argparse.Namespace) -> int:
-    levels = check_args(args)  # before jax is imported: a bad flag answers at once
+    levels, statics = check_args(args)  # before jax is imported: a bad flag answers at once
     from dspark_jax.bench.decode import compiled_programs  # noqa: PLC0415  (jax)
     from dspark_jax.serve.engine import Engine, EngineConfig  # noqa: PLC0415  (jax)
     from dspark_jax.serve.profile import cached_cost_table  # noqa: PLC0415  (jax)
@@ -114,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     model, weights = bundle.model, bundle.weights
     k = model.block_size
-    statics = int_list_flag(args, "static", minimum=0) if args.static else list(range(1, k + 1))
+    statics = statics or list(range(1, k + 1))
     rows = []
     for c in levels:
         reqs = workload(bundle, c * args.requests_per_client, args)
