@@ -4,7 +4,7 @@
 #   DRAFTS_ONLY=1 DRAFTS_PARALLEL=1 bash scripts/build_default.sh   # keep the committed backbone: ~1.5 h
 # Environment: BACKBONE_MINUTES (default 60) is the backbone's wall-clock budget; REGEN_PROMPTS (4096) how
 # many training prompts the backbone continues for the drafts' on-policy data; DRAFT_STEPS overrides the
-# drafts' steps (configs/default_train_draft_*.yaml, 600 by default); DRAFTS_PARALLEL=1 trains the three
+# drafts' steps (configs/default_train_draft_*.yaml: 1200 for dspark, parallel, onetoken); DRAFTS_PARALLEL=1 trains the three
 # drafts at the same time (default: one after another); DRAFTS_ONLY=1 skips the tokenizer and backbone
 # training and unpacks the committed backbone instead (scripts/unpack_default_backbone.py).
 # Logs and intermediates go to build/default_model/.

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The Markov head variants of the embedded default's DSpark draft (issue 19, SPEC 4.1): the gated and the
-# recurrent head, trained with the DSpark draft's own data and budget (configs/default_train_draft_{gated,rnn}.yaml
-# differ from default_train_draft_dspark.yaml only in the draft config's markov_head_type), added to
+# recurrent head, trained with the DSpark draft's own data (configs/default_train_draft_{gated,rnn}.yaml differ
+# from default_train_draft_dspark.yaml in the draft config's markov_head_type and in steps: 600, issue 19's
+# equal budget, where the vanilla draft has trained for 1200 since issue 16; set 1200 there to compare at
+# equal budget again), added to
 # dspark_jax/assets/default/variants/{gated,rnn}, then compared with the vanilla head on held-out prompts:
 #   bash scripts/build_head_variants.sh          # ~1.5 h on 2 cores (see BENCHMARKS.md)
 # It keeps the committed backbone and regenerates the same on-policy data as scripts/build_default.sh
