@@ -28,10 +28,17 @@ from dspark_jax import spec_round as sr
 from dspark_jax.bundle import load_bundle
 from dspark_jax.schedule import width_buckets
 from dspark_jax.serve import decode_state as ds
-from dspark_jax.serve.engine import Request
+from dspark_jax.serve.engine import EngineConfig, Request
 from dspark_jax.serve.profile import cached_cost_table
 
 PROMPT_LEN = 24
+
+
+def seconds(fn, *args, **kw) -> float:
+    """Wall seconds of one call of `fn` to completion."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args, **kw))
+    return time.perf_counter() - t0
 
 
 def admitted_state(model, weights, slots: int, max_len: int, deferred: int) -> ds.DecodeState:
@@ -49,13 +56,10 @@ def cases(bundle, slots: int, max_len: int, rounds: int) -> dict:
     returning its seconds)."""
     model, weights = bundle.model, bundle.weights
     table, _ = cached_cost_table(bundle, slots=slots, max_len=max_len, progress=True)
-    state = admitted_state(model, weights, slots, max_len, deferred=32)
+    state = admitted_state(model, weights, slots, max_len, deferred=EngineConfig.max_deferred_ingest)
 
-    def timed(program, **kw):
-        st = jax.block_until_ready(jax.tree.map(jnp.copy, state))
-        t0 = time.perf_counter()
-        jax.block_until_ready(program(model, weights, st, **kw))
-        return time.perf_counter() - t0
+    def timed(program, **kw):  # the program donates its state: each call gets a fresh copy (untimed)
+        return seconds(program, model, weights, jax.block_until_ready(jax.tree.map(jnp.copy, state)), **kw)
 
     out = {"plain step (engine)": (rounds, functools.partial(timed, ds.PLAIN_ROUNDS, rounds=rounds,
                                                             max_len=max_len, ingest_draft=True))}
@@ -69,17 +73,11 @@ def cases(bundle, slots: int, max_len: int, rounds: int) -> dict:
     seeds = jnp.zeros((slots,), jnp.int32)
     propose = jax.jit(functools.partial(sr.draft_propose, model, filtering=False))
     forward = jax.jit(functools.partial(sr.backbone_forward, model))
-
-    def raw(fn, *args):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        return time.perf_counter() - t0
-
-    out["draft propose (alone)"] = (1, functools.partial(raw, propose, weights, rs, params, seeds))
+    out["draft propose (alone)"] = (1, functools.partial(seconds, propose, weights, rs, params, seeds))
     for width in (1, model.block_size + 1):
         tokens = jnp.zeros((slots, width), jnp.int32)
-        out[f"backbone forward w{width} (alone)"] = (1, functools.partial(raw, forward, weights.backbone, rs.cache,
-                                                                         tokens))
+        out[f"backbone forward w{width} (alone)"] = (1, functools.partial(seconds, forward, weights.backbone,
+                                                                         rs.cache, tokens))
     return out
 
 
