@@ -5,6 +5,15 @@ initialises its backends, which is why it lives here and not in a test.
 """
 
 import os
+import sys
+from pathlib import Path
+
+# `python -m pytest` puts the working directory, the repository root, first on sys.path. There the
+# top-level kernels/ folder (installed as dspark_jax.kernels) hides the `kernels` distribution that
+# transformers >= 5 imports when it loads a model, and every torch oracle fails with "cannot import name
+# 'CUDAProperties' from 'kernels'". The project is installed, so the tests never need the root on the path.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:

@@ -23,11 +23,15 @@ torch.compile compiles), then times one full `generate` call, prefill included, 
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from dspark_jax import kernels as pallas_kernels
 from dspark_jax.backbones import qwen3 as qwen3_lib
 from dspark_jax.checkpoint import qwen3_hf
 
@@ -46,19 +50,45 @@ TORCH_DTYPES = ("float32", "bfloat16")
 _INVERSE = {qwen3_hf.transposed: qwen3_hf.transposed, qwen3_hf.unchanged: qwen3_hf.unchanged}
 
 
+def shadowed_kernels_package() -> str | None:
+    """The folder that hides the installed `kernels` distribution, or None.
+
+    transformers >= 5 imports the `kernels` distribution (Hugging Face hub kernels) when it loads a
+    model. Run with this repository's root first on sys.path (`python -m ...` from the root), Python
+    finds the root's kernels/ folder (our Pallas kernels, installed as dspark_jax.kernels) instead, and
+    the import fails deep inside transformers."""
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return None  # nothing to hide: transformers does not import it then
+    spec = importlib.util.find_spec("kernels")
+    if spec is None or not spec.origin:
+        return None
+    found = Path(spec.origin).resolve().parent
+    # Ours, or another checkout's kernels/ folder (the same files): not the distribution.
+    ours = found == Path(pallas_kernels.__file__).resolve().parent or (found / "markov_sampler.py").is_file()
+    return str(found) if ours else None
+
+
 def available() -> str | None:
     """None when torch and transformers import; else a one-line reason (the bench prints it and skips)."""
     try:
         import torch  # noqa: F401
     except Exception as err:  # ImportError, or a broken install raising anything at import
         return f"torch is not importable ({type(err).__name__}: {err})"
+    hidden_by = shadowed_kernels_package()
+    if hidden_by is not None:
+        return (f"the folder {hidden_by} (this project's Pallas kernels) hides the installed `kernels` package "
+                "that transformers imports; run from another directory than the repository root")
     try:
         import transformers
     except Exception as err:
         return f"transformers is not importable ({type(err).__name__}: {err})"
-    if not hasattr(transformers, "Qwen3ForCausalLM"):
-        return f"transformers {transformers.__version__} has no Qwen3ForCausalLM (needs >= 4.51)"
-    return None
+    try:  # a lazy attribute: this imports the model's modules
+        has_qwen3 = hasattr(transformers, "Qwen3ForCausalLM")
+    except Exception as err:
+        return f"transformers cannot load Qwen3ForCausalLM ({type(err).__name__}: {err})"
+    return None if has_qwen3 else f"transformers {transformers.__version__} has no Qwen3ForCausalLM (needs >= 4.51)"
 
 
 def _require():

@@ -2,6 +2,9 @@
 backbone's logits, and its batched, left-padded greedy decode is our own plain greedy decode row by row."""
 
 import functools
+import importlib.metadata
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +61,22 @@ def _our_greedy(bb, fwd, params, prompt, n):
 
 def test_available():
     assert peer.available() is None
+
+
+def test_the_repository_root_first_on_the_path_is_named_not_a_traceback(monkeypatch):
+    """`python -m ...` from the repository root puts its kernels/ folder (our Pallas kernels) in front
+    of the `kernels` distribution transformers >= 5 imports; available() names the folder."""
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("no `kernels` distribution installed: nothing can be hidden")
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.delitem(sys.modules, "kernels", raising=False)  # find_spec answers from here first
+    monkeypatch.syspath_prepend(str(root))
+    assert peer.shadowed_kernels_package() == str(root / "kernels")
+    assert str(root / "kernels") in peer.available()
+    monkeypatch.undo()
+    assert peer.shadowed_kernels_package() is None
 
 
 def test_logits_match_our_forward(model):
