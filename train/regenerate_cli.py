@@ -59,11 +59,16 @@ def _backbone(args):
         bundle = load_model(args)
         return (bundle.tokenizer, bundle.model.backbone.vocab_size,
                 lambda: (bundle.model, bundle.weights, bundle.cost_table))
+    import dataclasses
+
     from dspark_jax.train.config import RunConfig
     from dspark_jax.train.data import load_tokenizer
     from dspark_jax.train.trainer import Trainer, build_backbone
 
     cfg = RunConfig.from_yaml(args.train_config)
+    # The run's data.train is usually the file this command is about to write (the build script's order:
+    # regenerate, then train), so the trainer that builds the backbone reads the prompts' data instead.
+    cfg = cfg.replace(data=dataclasses.replace(cfg.data, train=tuple(args.data)))
     vocab_size = build_backbone(cfg.backbone).vocab_size  # the config alone: no parameters, no compile
     return load_tokenizer(cfg.data.tokenizer), vocab_size, lambda: (*Trainer(cfg).spec_pair(impl=args.impl), None)
 

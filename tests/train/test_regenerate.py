@@ -136,13 +136,22 @@ def test_cli_writes_the_file_and_names_bad_arguments(tmp_path, docs_file, capsys
 @pytest.mark.slow  # 20-65 s: in the CI's slow step, to keep the default suite near 20 min
 def test_cli_takes_the_backbone_from_a_training_run_config(tmp_path, docs_file):
     """--train-config: data before any draft exists (the build script's path), from the run's frozen
-    backbone (here a random init of its own); the prompts depend only on the data and the seed."""
+    backbone (here a random init of its own); the prompts depend only on the data and the seed. The run's
+    own data.train is the file being written, so it does not exist yet (the build failed on that once)."""
+    import yaml
+
     from dspark_jax.cli import main
 
     common = ["--data", str(docs_file), "--num-prompts", "2", "--prompt-len", "4", "--max-tokens", "3",
               "--temperatures", "0", "--slots", "2", "--no-progress"]
     a, b = tmp_path / "run.jsonl", tmp_path / "bundle.jsonl"
-    assert main(["regenerate", "--train-config", str(CONFIGS / "train_tiny.yaml"), "--out", str(a), *common]) == 0
+    raw = yaml.safe_load((CONFIGS / "train_tiny.yaml").read_text())
+    for section, key in (("backbone", "config"), ("draft", "config")):
+        raw[section][key] = str(CONFIGS / raw[section][key])
+    raw["data"]["train"] = [str(a)]
+    run_config = tmp_path / "run.yaml"
+    run_config.write_text(yaml.safe_dump(raw))
+    assert main(["regenerate", "--train-config", str(run_config), "--out", str(a), *common]) == 0
     assert main(["regenerate", "--random-tiny", "--out", str(b), *common]) == 0
     ra, rb = ([json.loads(x)["tokens"] for x in p.read_text().splitlines()] for p in (a, b))
     assert len(ra) == 2 and all(len(t) == 7 for t in ra)
