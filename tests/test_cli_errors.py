@@ -43,6 +43,16 @@ def test_a_user_error_is_one_line_and_exit_2(tmp_path, capsys, argv, needle):
     assert not (tmp_path / "no_dir").exists()
 
 
+def test_train_init_override_names_a_missing_checkpoint_before_the_compile(tmp_path, capsys):
+    """`dspark train --init DIR` replaces draft.init; a missing folder is one line naming the field."""
+    from helpers import CONFIGS
+
+    code, err = _run(["train", "--config", str(CONFIGS / "train_tiny.yaml"), "--run-dir", str(tmp_path / "run"),
+                      "--init", str(tmp_path / "no_init"), "--no-progress"], capsys)
+    assert code == 2, err
+    assert len(err) == 1 and err[0].startswith("dspark train: draft.init: ") and "no_init" in err[0], err
+
+
 def test_debug_shows_the_traceback(tmp_path):
     with pytest.raises(FileNotFoundError):
         main(["generate", "--random-tiny", "--debug", "--prompts", str(tmp_path / "missing.jsonl")])

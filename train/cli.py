@@ -16,6 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="run config YAML (see dspark_jax.train.config)")
     parser.add_argument("--run-dir", default=None, help="override run_dir (checkpoints, metrics.jsonl)")
     parser.add_argument("--steps", type=int, default=None, help="override the total number of steps")
+    parser.add_argument("--init", default=None,
+                        help="override draft.init: an Orbax params checkpoint to start from (continued training)")
     parser.add_argument("--no-resume", action="store_true", help="start fresh even if run_dir has checkpoints")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     parser.add_argument("--coordinator", default=None, help="multi-host: host:port of process 0")
@@ -35,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
         changes["run_dir"] = args.run_dir
     if args.steps is not None:
         changes["steps"] = args.steps
+    if args.init is not None:
+        changes["draft"] = dataclasses.replace(cfg.draft, init=args.init)
     dist = {k: v for k, v in (("coordinator", args.coordinator), ("num_processes", args.num_processes),
                               ("process_id", args.process_id)) if v is not None}
     if dist:

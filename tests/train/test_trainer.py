@@ -40,6 +40,24 @@ def _paths(tr):
     return str(tr.cfg.draft.config), str(tr.cfg.backbone.config)
 
 
+def test_draft_init_starts_from_the_given_params(trainer1, model_files, tmp_path):
+    """draft.init (`dspark train --init`, continued training): the optimizer starts from the checkpoint's
+    parameters, bit for bit, not from a random init; the checkpoint is a plain params tree."""
+    from dspark_jax.checkpoint.orbax_io import save_params
+    from dspark_jax.train.config import RunConfig
+    from dspark_jax.train.trainer import Trainer
+
+    dp, bp = initial_params(*_paths(trainer1))
+    given = jax.tree.map(lambda x: np.asarray(x, np.float32) + 0.25, dp)  # no random init equals this
+    path = save_params(tmp_path / "init", given)
+    raw = run_config(model_files, tmp_path / "run", draft={"config": str(model_files / "draft.json"),
+                                                             "init": str(path)})
+    tr = Trainer(RunConfig.from_dict(raw), mesh=one_device(), backbone_params=bp)
+    assert tr.spec == trainer1.spec  # the same compiled step: only the starting point differs
+    for a, b in zip(jax.tree.leaves(tr.state.params), jax.tree.leaves(given)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
 def test_backbone_gets_no_update_and_no_gradient(trainer1):
     tr = trainer1
     dp, bp = initial_params(*_paths(tr))
