@@ -4,8 +4,9 @@
 #   DRAFTS_ONLY=1 DRAFTS_PARALLEL=1 bash scripts/build_default.sh   # keep the committed backbone: ~1.5 h
 # Environment: BACKBONE_MINUTES (default 60) is the backbone's wall-clock budget; REGEN_PROMPTS (4096) how
 # many training prompts the backbone continues for the drafts' on-policy data; DRAFT_STEPS overrides the
-# drafts' steps (configs/default_train_draft_*.yaml: 1200 for dspark, parallel, onetoken); DRAFTS_PARALLEL=1 trains the three
-# drafts at the same time (default: one after another); DRAFTS_ONLY=1 skips the tokenizer and backbone
+# drafts' steps (configs/default_train_draft_*.yaml: 1200 for dspark, parallel, onetoken); CONTINUE_STEPS
+# (default 1200, 0 = none) continues each draft for that many more steps (a warm restart, scripts/train_drafts.py);
+# DRAFTS_PARALLEL=1 trains the three drafts at the same time (default: one after another); DRAFTS_ONLY=1 skips the tokenizer and backbone
 # training and unpacks the committed backbone instead (scripts/unpack_default_backbone.py).
 # Logs and intermediates go to build/default_model/.
 set -euo pipefail
@@ -36,18 +37,27 @@ python scripts/train_drafts.py --prepare-only 2>&1 | tee "$B/logs/drafts_prepare
 dspark regenerate --train-config configs/default_train_draft_dspark.yaml --tokenizer "$B/tokenizer.json" \
   --data "$B/corpus/train.jsonl" --out "$B/regen.jsonl" --num-prompts "${REGEN_PROMPTS:-4096}" --prompt-len 64 \
   --max-tokens 192 --temperatures 0,1 --slots 64 2>&1 | tee "$B/logs/regenerate.log"
-log "6/8 drafts (dspark train x3: block 7 + Markov head, block 7 pure parallel, block 1)"
+log "6/8 drafts (dspark train x3: block 7 + Markov head, block 7 pure parallel, block 1), then a warm restart"
 STEPS=()
 [ -n "${DRAFT_STEPS:-}" ] && STEPS=(--steps "$DRAFT_STEPS")
-if [ "${DRAFTS_PARALLEL:-0}" = 1 ]; then
-  PIDS=()
-  for n in dspark parallel onetoken; do
-    python scripts/train_drafts.py --names "$n" --skip-prepare "${STEPS[@]}" > "$B/logs/draft_$n.log" 2>&1 &
-    PIDS+=($!)
-  done
-  for p in "${PIDS[@]}"; do wait "$p"; done
-else
-  python scripts/train_drafts.py --skip-prepare "${STEPS[@]}" 2>&1 | tee "$B/logs/drafts.log"
+# train_drafts ARGS...: the three drafts with these arguments, side by side (DRAFTS_PARALLEL=1) or in turn.
+train_drafts() {
+  if [ "${DRAFTS_PARALLEL:-0}" = 1 ]; then
+    local pids=() n
+    for n in dspark parallel onetoken; do
+      python scripts/train_drafts.py --names "$n" --skip-prepare "$@" >> "$B/logs/draft_$n.log" 2>&1 &
+      pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p"; done
+  else
+    python scripts/train_drafts.py --skip-prepare "$@" 2>&1 | tee -a "$B/logs/drafts.log"
+  fi
+}
+train_drafts "${STEPS[@]}"
+# Stage 2 (CONTINUE_STEPS, 0 = none): the curves still rise at the end of stage 1, so each draft goes on from
+# its exported weights with the same schedule again (warm-up, cosine to zero), the optimizer state fresh.
+if [ "${CONTINUE_STEPS:-1200}" -gt 0 ]; then
+  train_drafts --continue-steps "${CONTINUE_STEPS:-1200}"
 fi
 log "7/8 assemble dspark_jax/assets/default (bf16 weights) + STS calibration on held-out rounds"
 python scripts/assemble_default.py --build "$B" --dest dspark_jax/assets/default 2>&1 | tee "$B/logs/assemble.log"

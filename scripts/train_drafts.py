@@ -10,6 +10,15 @@
 3. runs `dspark train --config configs/default_train_draft_<name>.yaml` for each draft (block 7 with the
    Markov head, the same with markov_rank 0, and block 1); each run resumes from its own checkpoints;
 4. exports each run's final draft parameters to <run_dir>/draft.safetensors + draft.json (DSparkConfig).
+
+    python scripts/train_drafts.py --skip-prepare --continue-steps 1200 [--stage1-from-bundle DIR]
+
+continues each trained draft for N more steps, a warm restart: the YAML's schedule again (warm-up to the
+same peak, cosine to zero) from the exported weights, the optimizer state fresh. Stage 1's export and metrics
+move to <run_dir>/stage1/, stage 2 trains in <run_dir>/stage2/ (resumable like any run), and <run_dir> gets
+the stage-2 export and both stages' metrics in one metrics.jsonl (stage 2's steps counted on from stage 1's,
+rows marked "stage": 2). --stage1-from-bundle starts stage 2 from an assembled bundle's drafts (the shipped
+bf16 weights, widened to f32) instead of a build's stage-1 export.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ def convert_backbone(bdir: Path) -> Path:
     return out
 
 
-def export_draft(config_yaml: Path) -> Path:
+def export_draft(config_yaml: Path, run_dir: Path | None = None, out_dir: Path | None = None) -> Path:
     import yaml
 
     from dspark_jax.bundle import flatten
@@ -50,17 +59,86 @@ def export_draft(config_yaml: Path) -> Path:
     from dspark_jax import drafts
 
     raw = yaml.safe_load(config_yaml.read_text())
-    run_dir = ROOT / raw["run_dir"]
+    run_dir = run_dir or ROOT / raw["run_dir"]
+    out_dir = out_dir or run_dir
     steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
     ckpt = run_dir / "checkpoints" / str(steps[-1])
     item = ckpt / "default" if (ckpt / "default").is_dir() else ckpt
     state = restore_params(item)
     params = state["params"]
     cfg = drafts.load_config(config_yaml.parent / raw["draft"]["config"])
-    save_file(run_dir / "draft.safetensors", {k: np.asarray(v, np.float32) for k, v in flatten(params).items()})
-    (run_dir / "draft.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    print(f"exported step {steps[-1]} -> {run_dir / 'draft.safetensors'}", flush=True)
-    return run_dir
+    save_file(out_dir / "draft.safetensors", {k: np.asarray(v, np.float32) for k, v in flatten(params).items()})
+    (out_dir / "draft.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    print(f"exported step {steps[-1]} of {run_dir} -> {out_dir / 'draft.safetensors'}", flush=True)
+    return out_dir
+
+
+def bundle_draft_files(bundle: Path, name: str) -> tuple[Path, Path]:
+    """The assembled bundle's (weights, training log) of one comparison draft (scripts/assemble_default.py)."""
+    weights = bundle / "draft.safetensors" if name == "dspark" else bundle / "variants" / name / "draft.safetensors"
+    return weights, bundle / "logs" / f"draft_{name}_metrics.jsonl"
+
+
+def stage_one(run_dir: Path, name: str, bundle: Path | None) -> Path:
+    """Move (or, from a bundle, copy) stage 1's weights and metrics into <run_dir>/stage1; returns that dir."""
+    import shutil
+
+    stage1 = run_dir / "stage1"
+    if (stage1 / "draft.safetensors").exists():  # a rerun: stage 1 is already set aside
+        return stage1
+    stage1.mkdir(parents=True, exist_ok=True)
+    if bundle is not None:
+        weights, metrics = bundle_draft_files(bundle, name)
+        shutil.copy(weights, stage1 / "draft.safetensors")
+        shutil.copy(metrics, stage1 / "metrics.jsonl")
+    else:
+        for f in ("draft.safetensors", "draft.json", "metrics.jsonl"):
+            shutil.move(run_dir / f, stage1 / f)
+    return stage1
+
+
+def stage_one_orbax(stage1: Path, config_yaml: Path) -> Path:
+    """Stage 1's weights as the f32 Orbax params checkpoint `dspark train --init` reads."""
+    import yaml
+
+    from dspark_jax import drafts
+    from dspark_jax.bundle import unflatten_strict
+    from dspark_jax.checkpoint.orbax_io import save_params
+    from dspark_jax.checkpoint.safetensors_io import open_checkpoint
+
+    raw = yaml.safe_load(config_yaml.read_text())
+    cfg = drafts.load_config(config_yaml.parent / raw["draft"]["config"])
+    # The abstract tree is f32, so a bundle's bf16 weights are widened as they are read.
+    params = unflatten_strict(open_checkpoint(stage1 / "draft.safetensors"), drafts.abstract_params(cfg), "draft")
+    return save_params(stage1 / "orbax", params, overwrite=True)
+
+
+def join_metrics(run_dir: Path) -> None:
+    """<run_dir>/metrics.jsonl = stage 1's rows, then stage 2's with their steps counted on from stage 1's."""
+    rows1 = [json.loads(x) for x in (run_dir / "stage1" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows2 = [json.loads(x) for x in (run_dir / "stage2" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    offset = max((r.get("step", 0) for r in rows1), default=0)
+    rows2 = [{**r, "step": r["step"] + offset, "stage": 2} for r in rows2]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows1 + rows2))
+
+
+def continue_draft(name: str, steps: int, bundle: Path | None) -> int:
+    cfg = ROOT / "configs" / f"default_train_draft_{name}.yaml"
+    import yaml
+
+    run_dir = ROOT / yaml.safe_load(cfg.read_text())["run_dir"]
+    init = stage_one_orbax(stage_one(run_dir, name, bundle), cfg)
+    cmd = [sys.executable, "-m", "dspark_jax", "train", "--config", str(cfg), "--run-dir", str(run_dir / "stage2"),
+           "--init", str(init), "--steps", str(steps)]
+    print(f"== draft {name}, stage 2: {' '.join(cmd)}", flush=True)
+    t0 = time.time()
+    rc = subprocess.call(cmd, cwd=ROOT)
+    print(f"== draft {name}, stage 2: exit {rc} after {(time.time() - t0) / 60:.1f} min", flush=True)
+    if rc:
+        return rc
+    export_draft(cfg, run_dir / "stage2", out_dir=run_dir)
+    join_metrics(run_dir)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -71,7 +149,18 @@ def main(argv=None) -> int:
     ap.add_argument("--prepare-only", action="store_true", help="only step 1 (backbone conversion)")
     ap.add_argument("--skip-prepare", action="store_true", help="skip step 1 (already done)")
     ap.add_argument("--export-only", action="store_true", help="only step 4 (export the latest checkpoints)")
+    ap.add_argument("--continue-steps", type=int, default=None,
+                    help="stage 2: continue each exported draft for this many steps (a warm restart, see above)")
+    ap.add_argument("--stage1-from-bundle", type=Path, default=None,
+                    help="with --continue-steps: stage 1 is this assembled bundle's drafts, not the build's")
     args = ap.parse_args(argv)
+
+    if args.continue_steps:
+        for name in args.names:
+            rc = continue_draft(name, args.continue_steps, args.stage1_from_bundle)
+            if rc:
+                return rc
+        return 0
 
     if not (args.export_only or args.skip_prepare):
         convert_backbone(ROOT / args.backbone_dir)
