@@ -136,6 +136,38 @@ def add_variants(build: Path, dest: Path, names: list[str], dtype) -> int:
     return 0
 
 
+def set_aside_head_variants(dest: Path, build: Path, keep: Path) -> dict:
+    """The Markov head variants (issue 19: gated, rnn) of the bundle being replaced that this build did not
+    train: scripts/build_head_variants.sh adds them after an assembly, so rebuilding the three comparison
+    drafts alone would otherwise delete them. Copies each variant folder and its log to `keep`
+    -> {name: its training.json entry}."""
+    old = json.loads((dest / "training.json").read_text())["drafts"] if (dest / "training.json").is_file() else {}
+    kept = {}
+    for vdir in sorted((dest / "variants").glob("*")) if (dest / "variants").is_dir() else []:
+        name = vdir.name
+        if name in ("parallel", "onetoken") or (build / "drafts" / name / "draft.safetensors").is_file():
+            continue
+        shutil.rmtree(keep / name, ignore_errors=True)
+        (keep / name).mkdir(parents=True)
+        shutil.copytree(vdir, keep / name / "variant", dirs_exist_ok=True)
+        log = dest / "logs" / f"draft_{name}_metrics.jsonl"
+        if log.is_file():
+            shutil.copy(log, keep / name / log.name)
+        kept[name] = old.get(name, {})
+        print(f"keeping variant {name} (not in this build)")
+    return kept
+
+
+def put_back_head_variants(kept: dict, keep: Path, dest: Path) -> dict:
+    """Put set_aside_head_variants' folders back into the new bundle -> their training.json entries."""
+    (dest / "logs").mkdir(exist_ok=True)
+    for name in kept:
+        shutil.copytree(keep / name / "variant", dest / "variants" / name, dirs_exist_ok=True)
+        for log in (keep / name).glob("draft_*_metrics.jsonl"):
+            shutil.copy(log, dest / "logs" / log.name)
+    return kept
+
+
 def main(argv=None) -> int:
     from dspark_jax.backbones.mhc import MhcBackbone, MhcConfig
     from dspark_jax.bundle import save_bundle, unflatten_strict
@@ -158,6 +190,8 @@ def main(argv=None) -> int:
                                "backbone")
     trained = {name: load_trained(build, name) for name in ("dspark", "parallel", "onetoken")}
 
+    keep = build / "kept_variants"
+    kept = set_aside_head_variants(dest, build, keep)
     if dest.exists():
         shutil.rmtree(dest)
     cfg, dparams = trained["dspark"]
@@ -179,6 +213,7 @@ def main(argv=None) -> int:
             "drafts": {}}
     for name in trained:
         info["drafts"][name] = final_metrics(build, name, trained[name][1])
+    info["drafts"].update(put_back_head_variants(kept, keep, dest))
     (dest / "training.json").write_text(json.dumps(info, indent=2) + "\n")
     write_docs(build, dest, bb.cfg, trained, info)
     total = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
