@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Rebuild the embedded default model (dspark_jax/assets/default/) end to end on CPU.
-#   DRAFTS_PARALLEL=1 bash scripts/build_default.sh                 # ~2.5 h on 2 cores (see BENCHMARKS.md)
-#   DRAFTS_ONLY=1 DRAFTS_PARALLEL=1 bash scripts/build_default.sh   # keep the committed backbone: ~1.5 h
+#   DRAFTS_PARALLEL=1 bash scripts/build_default.sh                 # ~3.5 h on 2 cores (see BENCHMARKS.md)
+#   DRAFTS_ONLY=1 DRAFTS_PARALLEL=1 bash scripts/build_default.sh   # keep the committed backbone: ~2.5 h
 # Environment: BACKBONE_MINUTES (default 60) is the backbone's wall-clock budget; REGEN_PROMPTS (4096) how
 # many training prompts the backbone continues for the drafts' on-policy data; DRAFT_STEPS overrides the
 # drafts' steps (configs/default_train_draft_*.yaml: 1200 for dspark, parallel, onetoken); CONTINUE_STEPS

@@ -38,8 +38,9 @@ def window_means(rows: list[dict], key: str, window: int) -> list[tuple[int, flo
 
 def restart_step(rows: list[dict]) -> int | None:
     """The last stage-1 step of a continued run (None: one stage)."""
-    stage2 = [r["step"] for r in rows if r.get("stage") == 2]
-    return min(stage2) - 1 if stage2 else None
+    if not any(r.get("stage") == 2 for r in rows):
+        return None
+    return max(r["step"] for r in rows if r.get("stage") != 2)
 
 
 def plot(curves: dict, restarts: dict, path: str, window: int) -> None:
