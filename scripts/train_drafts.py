@@ -122,6 +122,15 @@ def join_metrics(run_dir: Path) -> None:
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows1 + rows2))
 
 
+def run_train(label: str, cmd: list[str]) -> int:
+    """Run one `dspark train` command from the repository root, logging it and its wall time -> exit code."""
+    print(f"== {label}: {' '.join(cmd)}", flush=True)
+    t0 = time.time()
+    rc = subprocess.call(cmd, cwd=ROOT)
+    print(f"== {label}: exit {rc} after {(time.time() - t0) / 60:.1f} min", flush=True)
+    return rc
+
+
 def continue_draft(name: str, steps: int, bundle: Path | None) -> int:
     cfg = ROOT / "configs" / f"default_train_draft_{name}.yaml"
     import yaml
@@ -130,10 +139,7 @@ def continue_draft(name: str, steps: int, bundle: Path | None) -> int:
     init = stage_one_orbax(stage_one(run_dir, name, bundle), cfg)
     cmd = [sys.executable, "-m", "dspark_jax", "train", "--config", str(cfg), "--run-dir", str(run_dir / "stage2"),
            "--init", str(init), "--steps", str(steps)]
-    print(f"== draft {name}, stage 2: {' '.join(cmd)}", flush=True)
-    t0 = time.time()
-    rc = subprocess.call(cmd, cwd=ROOT)
-    print(f"== draft {name}, stage 2: exit {rc} after {(time.time() - t0) / 60:.1f} min", flush=True)
+    rc = run_train(f"draft {name}, stage 2", cmd)
     if rc:
         return rc
     export_draft(cfg, run_dir / "stage2", out_dir=run_dir)
@@ -172,10 +178,7 @@ def main(argv=None) -> int:
             cmd = [sys.executable, "-m", "dspark_jax", "train", "--config", str(cfg)]
             if args.steps:
                 cmd += ["--steps", str(args.steps)]
-            print(f"== draft {name}: {' '.join(cmd)}", flush=True)
-            t0 = time.time()
-            rc = subprocess.call(cmd, cwd=ROOT)
-            print(f"== draft {name}: exit {rc} after {(time.time() - t0) / 60:.1f} min", flush=True)
+            rc = run_train(f"draft {name}", cmd)
             if rc:
                 return rc
         export_draft(cfg)
