@@ -5,9 +5,9 @@
                                            [--window 100] [--plot curves.png]
 
 Reads <bundle>/logs/draft_<name>_metrics.jsonl (the `dspark train` metrics that scripts/assemble_default.py
-copies there; a continued draft's file holds both stages, stage 2's rows marked "stage": 2). The training
+copies there; a continued draft's file holds every stage, rows of stage k > 1 marked "stage": k). The training
 tau estimate is a noisy per-batch figure, so the table gives its mean over each `window` steps: whether a
-curve is still rising at the end is the question the drafts' budget depends on. The plot marks where a
+curve is still rising at the end is the question the drafts' budget depends on. The plot marks where each
 warm restart began.
 """
 
@@ -36,11 +36,13 @@ def window_means(rows: list[dict], key: str, window: int) -> list[tuple[int, flo
     return [((w + 1) * window, float(np.mean(v))) for w, v in sorted(by_window.items())]
 
 
-def restart_step(rows: list[dict]) -> int | None:
-    """The last stage-1 step of a continued run (None: one stage)."""
-    if not any(r.get("stage") == 2 for r in rows):
-        return None
-    return max(r["step"] for r in rows if r.get("stage") != 2)
+def restart_steps(rows: list[dict]) -> list[int]:
+    """The step after which each warm restart began: the last step of every stage but the last ([]: one stage)."""
+    last_of_stage: dict[int, int] = {}
+    for r in rows:
+        stage = r.get("stage", 1)
+        last_of_stage[stage] = max(last_of_stage.get(stage, 0), r["step"])
+    return [last_of_stage[k] for k in sorted(last_of_stage)[:-1]]
 
 
 def plot(curves: dict, restarts: dict, path: str, window: int) -> None:
@@ -52,7 +54,7 @@ def plot(curves: dict, restarts: dict, path: str, window: int) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, (name, pts) in enumerate(curves.items()):
         ax.plot([s for s, _ in pts], [m for _, m in pts], "o-", color=f"C{i}", label=name)
-    for step in sorted({s for s in restarts.values() if s is not None}):
+    for step in sorted({s for steps in restarts.values() for s in steps}):
         ax.axvline(step, color="grey", ls="--", lw=1)
         ax.text(step, ax.get_ylim()[0], " warm restart", color="grey", va="bottom", fontsize=8)
     ax.set_xlabel("training step")
@@ -80,9 +82,10 @@ def main(argv=None) -> int:
             print(f"{path}: no such file (names: the drafts trained for this bundle)", file=sys.stderr)
             return 2
         rows = read_metrics(path)
-        curves[name], restarts[name] = window_means(rows, "tau_estimate", args.window), restart_step(rows)
+        curves[name], restarts[name] = window_means(rows, "tau_estimate", args.window), restart_steps(rows)
     for name, pts in curves.items():
-        restart = f" (warm restart after step {restarts[name]})" if restarts[name] else ""
+        after = ", ".join(str(s) for s in restarts[name])
+        restart = f" (warm restart{'s' if len(restarts[name]) > 1 else ''} after step {after})" if after else ""
         print(f"{name}{restart}: tau_estimate per {args.window} steps")
         print("  " + " ".join(f"{m:.2f}" for _, m in pts))
     if args.plot:

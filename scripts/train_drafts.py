@@ -14,17 +14,20 @@
     python scripts/train_drafts.py --skip-prepare --continue-steps 1200 [--stage1-from-bundle DIR]
 
 continues each trained draft for N more steps, a warm restart: the YAML's schedule again (warm-up to the
-same peak, cosine to zero) from the exported weights, the optimizer state fresh. Stage 1's export and metrics
-move to <run_dir>/stage1/, stage 2 trains in <run_dir>/stage2/ (resumable like any run), and <run_dir> gets
-the stage-2 export and both stages' metrics in one metrics.jsonl (stage 2's steps counted on from stage 1's,
-rows marked "stage": 2). --stage1-from-bundle starts stage 2 from an assembled bundle's drafts (the shipped
-bf16 weights, widened to f32) instead of a build's stage-1 export.
+same peak, cosine to zero) from the exported weights, the optimizer state fresh. The first time, stage 1's
+export and metrics move to <run_dir>/stage1/ and stage 2 trains in <run_dir>/stage2/; each later call adds
+a stage (stage3/, ...) starting from <run_dir>'s current export (copied to <stage>/start/), or resumes the
+last stage if it was not exported yet; --stage K trains stage K only if it is not done (a rerun is a no-op). <run_dir> gets the newest stage's export and every stage's metrics in
+one metrics.jsonl (steps counted on across stages, rows of stage k > 1 marked "stage": k).
+--stage1-from-bundle makes stage 1 an assembled bundle's drafts (the shipped bf16 weights, widened to f32)
+instead of a build's stage-1 export; it matters only when no stage was set aside yet.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -81,8 +84,6 @@ def bundle_draft_files(bundle: Path, name: str) -> tuple[Path, Path]:
 
 def stage_one(run_dir: Path, name: str, bundle: Path | None) -> Path:
     """Move (or, from a bundle, copy) stage 1's weights and metrics into <run_dir>/stage1; returns that dir."""
-    import shutil
-
     stage1 = run_dir / "stage1"
     if (stage1 / "draft.safetensors").exists():  # a rerun: stage 1 is already set aside
         return stage1
@@ -97,8 +98,8 @@ def stage_one(run_dir: Path, name: str, bundle: Path | None) -> Path:
     return stage1
 
 
-def stage_one_orbax(stage1: Path, config_yaml: Path) -> Path:
-    """Stage 1's weights as the f32 Orbax params checkpoint `dspark train --init` reads."""
+def start_orbax(start: Path, config_yaml: Path) -> Path:
+    """A stage's starting weights (<dir>/draft.safetensors) as the f32 Orbax params checkpoint `--init` reads."""
     import yaml
 
     from dspark_jax import drafts
@@ -109,17 +110,31 @@ def stage_one_orbax(stage1: Path, config_yaml: Path) -> Path:
     raw = yaml.safe_load(config_yaml.read_text())
     cfg = drafts.load_config(config_yaml.parent / raw["draft"]["config"])
     # The abstract tree is f32, so a bundle's bf16 weights are widened as they are read.
-    params = unflatten_strict(open_checkpoint(stage1 / "draft.safetensors"), drafts.abstract_params(cfg), "draft")
-    return save_params(stage1 / "orbax", params, overwrite=True)
+    params = unflatten_strict(open_checkpoint(start / "draft.safetensors"), drafts.abstract_params(cfg), "draft")
+    return save_params(start / "orbax", params, overwrite=True)
+
+
+def stage_numbers(run_dir: Path) -> list[int]:
+    """The stages set aside or trained in <run_dir> (stage1, stage2, ...), in order."""
+    return sorted(int(p.name[5:]) for p in run_dir.glob("stage*") if p.is_dir() and p.name[5:].isdigit())
+
+
+def joined_stages(run_dir: Path) -> int:
+    """The last stage whose rows <run_dir>/metrics.jsonl holds, i.e. the last stage exported to <run_dir>."""
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    return max((r.get("stage", 1) for r in rows), default=1)
 
 
 def join_metrics(run_dir: Path) -> None:
-    """<run_dir>/metrics.jsonl = stage 1's rows, then stage 2's with their steps counted on from stage 1's."""
-    rows1 = [json.loads(x) for x in (run_dir / "stage1" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    rows2 = [json.loads(x) for x in (run_dir / "stage2" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    offset = max((r.get("step", 0) for r in rows1), default=0)
-    rows2 = [{**r, "step": r["step"] + offset, "stage": 2} for r in rows2]
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows1 + rows2))
+    """<run_dir>/metrics.jsonl = stage 1's rows, then each later stage's, steps counted on, rows marked "stage"."""
+    joined, offset = [], 0
+    for k in stage_numbers(run_dir):
+        rows = [json.loads(x) for x in (run_dir / f"stage{k}" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        rows = [{**r, "step": r["step"] + offset, **({"stage": k} if k > 1 else {})} for r in rows]
+        offset = max((r["step"] for r in rows), default=offset)
+        joined += rows
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in joined))
 
 
 def run_train(label: str, cmd: list[str]) -> int:
@@ -131,18 +146,33 @@ def run_train(label: str, cmd: list[str]) -> int:
     return rc
 
 
-def continue_draft(name: str, steps: int, bundle: Path | None) -> int:
+def continue_draft(name: str, steps: int, bundle: Path | None, stage: int | None = None) -> int:
+    """Train stage `stage` of one draft (default: the one after the last exported), resuming it if begun."""
     cfg = ROOT / "configs" / f"default_train_draft_{name}.yaml"
     import yaml
 
     run_dir = ROOT / yaml.safe_load(cfg.read_text())["run_dir"]
-    init = stage_one_orbax(stage_one(run_dir, name, bundle), cfg)
-    cmd = [sys.executable, "-m", "dspark_jax", "train", "--config", str(cfg), "--run-dir", str(run_dir / "stage2"),
-           "--init", str(init), "--steps", str(steps)]
-    rc = run_train(f"draft {name}, stage 2", cmd)
+    done = joined_stages(run_dir)
+    stage = stage or done + 1
+    if stage <= done:
+        print(f"draft {name}: stage {stage} is already trained and exported", flush=True)
+        return 0
+    if stage > done + 1:
+        print(f"draft {name}: stage {stage} starts from stage {stage - 1}, which is not trained yet", file=sys.stderr)
+        return 2
+    if stage == 2:  # stage 1 is set aside, stage 2 starts from it
+        start = stage_one(run_dir, name, bundle)
+    else:  # a later stage starts from <run_dir>'s export, the previous stage's
+        start = run_dir / f"stage{stage}" / "start"
+        if not (start / "draft.safetensors").exists():
+            start.mkdir(parents=True, exist_ok=True)
+            shutil.copy(run_dir / "draft.safetensors", start / "draft.safetensors")
+    cmd = [sys.executable, "-m", "dspark_jax", "train", "--config", str(cfg), "--run-dir", str(run_dir / f"stage{stage}"),
+           "--init", str(start_orbax(start, cfg)), "--steps", str(steps)]
+    rc = run_train(f"draft {name}, stage {stage}", cmd)
     if rc:
         return rc
-    export_draft(cfg, run_dir / "stage2", out_dir=run_dir)
+    export_draft(cfg, run_dir / f"stage{stage}", out_dir=run_dir)
     join_metrics(run_dir)
     return 0
 
@@ -156,14 +186,16 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-prepare", action="store_true", help="skip step 1 (already done)")
     ap.add_argument("--export-only", action="store_true", help="only step 4 (export the latest checkpoints)")
     ap.add_argument("--continue-steps", type=int, default=None,
-                    help="stage 2: continue each exported draft for this many steps (a warm restart, see above)")
+                    help="add a stage: continue each exported draft for this many steps (a warm restart, see above)")
+    ap.add_argument("--stage", type=int, default=None,
+                    help="with --continue-steps: the stage to train (default: the next); done already = nothing to do")
     ap.add_argument("--stage1-from-bundle", type=Path, default=None,
                     help="with --continue-steps: stage 1 is this assembled bundle's drafts, not the build's")
     args = ap.parse_args(argv)
 
     if args.continue_steps:
         for name in args.names:
-            rc = continue_draft(name, args.continue_steps, args.stage1_from_bundle)
+            rc = continue_draft(name, args.continue_steps, args.stage1_from_bundle, args.stage)
             if rc:
                 return rc
         return 0
