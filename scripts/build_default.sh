@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Rebuild the embedded default model (dspark_jax/assets/default/) end to end on CPU.
-#   DRAFTS_PARALLEL=1 bash scripts/build_default.sh                 # ~3.5 h on 2 cores (see BENCHMARKS.md)
-#   DRAFTS_ONLY=1 DRAFTS_PARALLEL=1 bash scripts/build_default.sh   # keep the committed backbone: ~2.5 h
+#   DRAFTS_PARALLEL=1 bash scripts/build_default.sh                 # ~4.3 h on 2 cores (see BENCHMARKS.md)
+#   DRAFTS_ONLY=1 DRAFTS_PARALLEL=1 bash scripts/build_default.sh   # keep the committed backbone: ~3.3 h
 # Environment: BACKBONE_MINUTES (default 60) is the backbone's wall-clock budget; REGEN_PROMPTS (4096) how
 # many training prompts the backbone continues for the drafts' on-policy data; DRAFT_STEPS overrides the
 # drafts' steps (configs/default_train_draft_*.yaml: 1200 for dspark, parallel, onetoken); CONTINUE_STEPS
-# (default 1200, 0 = none) continues each draft for that many more steps (a warm restart, scripts/train_drafts.py);
+# (default 1200, 0 = none) continues each draft for that many more steps, RESTARTS (default 2) times (warm
+# restarts, scripts/train_drafts.py);
 # DRAFTS_PARALLEL=1 trains the three drafts at the same time (default: one after another); DRAFTS_ONLY=1 skips the tokenizer and backbone
 # training and unpacks the committed backbone instead (scripts/unpack_default_backbone.py).
 # Logs and intermediates go to build/default_model/.
@@ -54,10 +55,13 @@ train_drafts() {
   fi
 }
 train_drafts "${STEPS[@]}"
-# Stage 2 (CONTINUE_STEPS, 0 = none): the curves still rise at the end of stage 1, so each draft goes on from
-# its exported weights with the same schedule again (warm-up, cosine to zero), the optimizer state fresh.
+# Warm restarts (RESTARTS stages of CONTINUE_STEPS each, 0 = none): the curves still rise at the end of a
+# stage, so each draft goes on from its exported weights with the same schedule again (warm-up, cosine to
+# zero), the optimizer state fresh, in <run_dir>/stage2/, stage3/, ... (a rerun resumes or skips each stage).
 if [ "${CONTINUE_STEPS:-1200}" -gt 0 ]; then
-  train_drafts --continue-steps "${CONTINUE_STEPS:-1200}"
+  for k in $(seq 2 $((1 + ${RESTARTS:-2}))); do
+    train_drafts --continue-steps "${CONTINUE_STEPS:-1200}" --stage "$k"
+  done
 fi
 log "7/8 assemble dspark_jax/assets/default (bf16 weights) + STS calibration on held-out rounds"
 python scripts/assemble_default.py --build "$B" --dest dspark_jax/assets/default 2>&1 | tee "$B/logs/assemble.log"

@@ -85,7 +85,8 @@ def main(argv=None) -> int:
         curves[name], restarts[name] = window_means(rows, "tau_estimate", args.window), restart_steps(rows)
     for name, pts in curves.items():
         after = ", ".join(str(s) for s in restarts[name])
-        restart = f" (warm restart{'s' if len(restarts[name]) > 1 else ''} after step {after})" if after else ""
+        plural = "s" if len(restarts[name]) > 1 else ""
+        restart = f" (warm restart{plural} after step{plural} {after})" if after else ""
         print(f"{name}{restart}: tau_estimate per {args.window} steps")
         print("  " + " ".join(f"{m:.2f}" for _, m in pts))
     if args.plot:
