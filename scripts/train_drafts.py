@@ -17,8 +17,9 @@ continues each trained draft for N more steps, a warm restart: the YAML's schedu
 same peak, cosine to zero) from the exported weights, the optimizer state fresh. The first time, stage 1's
 export and metrics move to <run_dir>/stage1/ and stage 2 trains in <run_dir>/stage2/; each later call adds
 a stage (stage3/, ...) starting from <run_dir>'s current export (copied to <stage>/start/), or resumes the
-last stage if it was not exported yet; --stage K trains stage K only if it is not done (a rerun is a no-op). <run_dir> gets the newest stage's export and every stage's metrics in
-one metrics.jsonl (steps counted on across stages, rows of stage k > 1 marked "stage": k).
+last stage if it was not exported yet. --stage K trains stage K only if it is not done yet (so a rerun of
+the build is a no-op) and refuses it while stage K - 1 is not. <run_dir> gets the newest stage's export
+and every stage's metrics in one metrics.jsonl (steps counted on, rows of stage k > 1 marked "stage": k).
 --stage1-from-bundle makes stage 1 an assembled bundle's drafts (the shipped bf16 weights, widened to f32)
 instead of a build's stage-1 export; it matters only when no stage was set aside yet.
 """
