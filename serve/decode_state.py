@@ -92,6 +92,7 @@ class Delta(NamedTuple):
     num_verify: jax.Array  # i32[B] admitted drafts l_r
     conf_logits: jax.Array  # f32[B, K] raw confidence logits (calibration records; zeros for plain)
     capacity: jax.Array  # i32 scalar: the async capacity this round's confidences give the round after next
+    drafted: jax.Array  # bool scalar: the draft ran (False: a plain step, or an async round with capacity 0)
 
 
 class Joining(NamedTuple):
@@ -178,13 +179,13 @@ def _finish(tokens, num_emitted, slots: Slots, new_length, max_len: int):
 
 
 def _after(state: DecodeState, rs: sr.RoundState, tokens, num_emitted, num_accepted, num_verify, conf_logits,
-           capacity, max_len: int):
+           capacity, max_len: int, drafted: bool = False):
     slots = state.slots
     toks, n, finish, budget = _finish(tokens, num_emitted, slots, rs.cache.length, max_len)
     slots = slots._replace(running=slots.running & (finish == RUNNING), budget=budget)
     run = state.slots.running
     delta = Delta(toks, n, finish, jnp.where(run, num_accepted, 0), jnp.where(run, num_verify, 0), conf_logits,
-                  jnp.asarray(capacity, jnp.int32))
+                  jnp.asarray(capacity, jnp.int32), jnp.asarray(drafted))
     return state._replace(round=rs, slots=slots), delta
 
 
@@ -227,7 +228,8 @@ def admit(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, joining:
     zeros = jnp.zeros((b,), jnp.int32)
     deferred = state.deferred._replace(count=put(state.deferred.count, jnp.zeros((j,), jnp.int32)))
     return (state._replace(round=rs, slots=slots, deferred=deferred),
-            host_readable(Delta(toks, n, finish, zeros, zeros, _no_conf(model, b), jnp.int32(0))))
+            host_readable(Delta(toks, n, finish, zeros, zeros, _no_conf(model, b), jnp.int32(0),
+                                jnp.asarray(False))))
 
 
 def _caps(model: sr.SpecModel, state: DecodeState, max_len: int) -> jax.Array:
@@ -250,11 +252,57 @@ def spec_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, tab
 
     The async capacity prices a budget of c drafts at the batch tokens this static-shape engine then
     runs (schedule.static_budget_tokens: every slot at the width bucket of 1 + min(c, K), the draft
-    pass inside), not at running rows + c: one verified draft costs a whole speculative round here."""
+    pass inside), not at running rows + c: one verified draft costs a whole speculative round here.
+
+    Idle rounds: in mode "async" this round's capacity C comes from lagged confidences only, so it is
+    known before the draft runs. When C = 0 the round would verify nothing and emit exactly what a plain
+    step emits (same keys); it then runs as a plain step (`_idle_round`) instead of paying the draft pass
+    and a width-`width` verify forward for one token. Which branch runs depends on the past only, so
+    the output is the same either way; the saving is measured in BENCHMARKS.md (idle rounds)."""
+    running = state.slots.running
+    budget_tokens = jnp.asarray(static_budget_tokens(running.shape[0], model.block_size))
+    kw = dict(max_len=max_len, width=width, mode=mode, num_verify=num_verify, min_gain=min_gain,
+              budget_tokens=budget_tokens, filtering=filtering)
+    if mode != "async" or table is None:  # (async without a table: sr.admit says what is missing)
+        return _speculative_round(model, weights, state, table, **kw)
+    lagged = async_capacity(state.round.conf_lag[1], table, min_gain, _num_drafts(model, state, max_len, width),
+                            budget_tokens, acceptance_scale(state.feedback))
+    return jax.lax.cond(lagged > 0, lambda st: _speculative_round(model, weights, st, table, **kw),
+                        lambda st: _idle_round(model, weights, st, table, min_gain=min_gain,
+                                               budget_tokens=budget_tokens, max_len=max_len), state)
+
+
+def _num_drafts(model: sr.SpecModel, state: DecodeState, max_len: int, width: int) -> jax.Array:
+    """The scheduler's num_drafts of this round as spec_round.spec_round builds it (-1: not running)."""
+    cap = jnp.clip(_caps(model, state, max_len), 0, width - 1)
+    return jnp.where(state.slots.running, cap, -1)
+
+
+def _idle_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, table: CostTable, *,
+                min_gain: float, budget_tokens: jax.Array, max_len: int) -> tuple[DecodeState, Delta]:
+    """An async round whose capacity is 0, run as a plain step. The draft ingests the new position at once
+    (a later round of the same call may propose). It brings no confidences of its own, so the newest
+    known ones stand in for them: the next round schedules with the last round's (still the past)."""
+    state, tokens = _plain_step(model, weights, state, ingest="now")
+    newest = state.round.conf_lag[0]
+    rs = state.round._replace(conf_lag=jnp.stack([newest, newest]))
+    tokens = jnp.pad(tokens, ((0, 0), (0, model.block_size)), constant_values=-1)  # a round's [B, K+1]
+    running = state.slots.running
+    zeros = jnp.zeros_like(state.slots.budget)
+    state, delta = _after(state, rs, tokens, running.astype(jnp.int32), zeros, zeros,
+                          _no_conf(model, running.shape[0]), 0, max_len)
+    later = jnp.where(state.slots.running, model.block_size, -1)  # as the speculative branch reports it
+    return state, delta._replace(capacity=async_capacity(newest, table, min_gain, later, budget_tokens,
+                                                         acceptance_scale(state.feedback)))
+
+
+def _speculative_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, table: CostTable | None, *,
+                       max_len: int, width: int, mode: str, num_verify: int | None, min_gain: float,
+                       budget_tokens: jax.Array, filtering: bool) -> tuple[DecodeState, Delta]:
+    """spec_round's speculative branch: draft, admit, verify, commit."""
     running = state.slots.running
     caps = _caps(model, state, max_len)
     nv = None if num_verify is None else jnp.full(running.shape, num_verify, jnp.int32)
-    budget_tokens = jnp.asarray(static_budget_tokens(running.shape[0], model.block_size))
     rs, out = sr.spec_round(model, weights, state.round, state.slots.params, state.slots.seeds, running,
                             width=width, mode=mode, num_verify=nv, draft_cap=jnp.maximum(caps, 0), table=table,
                             min_gain=min_gain, budget_tokens=budget_tokens,
@@ -263,7 +311,7 @@ def spec_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, tab
     if table is not None:  # only the async capacity reads the feedback: no table, no bookkeeping
         feedback = _feedback(feedback, out.conf, out.num_verify, out.num_accepted, running)
     state, delta = _after(state._replace(feedback=feedback), rs, out.tokens, out.num_emitted, out.num_accepted,
-                          out.num_verify, out.conf_logits, 0, max_len)
+                          out.num_verify, out.conf_logits, 0, max_len, drafted=True)
     if table is not None:
         # The capacity of a later round: every row still running then, each with all K drafts (its cap
         # then is not known now; the round clips to it).
@@ -296,13 +344,29 @@ def plain_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, *,
     round must not leave a hole in the draft's context): with a deferral buffer the step's taps go there
     (the caller runs `catch_up` before the buffer overflows or the draft proposes), else the draft
     ingests them now. The plain baseline runs without (no taps)."""
+    state, tokens = _plain_step(model, weights, state, ingest="defer" if ingest_draft else "none")
+    running = state.slots.running
+    zeros = jnp.zeros_like(state.slots.budget)
+    return _after(state, state.round, tokens, running.astype(jnp.int32), zeros, zeros,
+                  _no_conf(model, running.shape[0]), 0, max_len)
+
+
+def _plain_step(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, *, ingest: str
+                ) -> tuple[DecodeState, jax.Array]:
+    """The backbone's step for every running slot: -> (state with the cache, anchor and draft context
+    advanced, tokens i32[B, 1] (-1 where not running)). The slots' finish bookkeeping is the caller's.
+
+    `ingest`: "none" (no taps: the plain baseline), "defer" (taps into the deferral buffer when there is
+    one, else ingested now) or "now" (the draft ingests them now, buffer or not)."""
     running = state.slots.running
     rs = state.round
     n = running.astype(jnp.int32)
-    if ingest_draft:
+    if ingest == "none":
+        bo = model.backbone.forward(weights.backbone, rs.cache, rs.anchor[:, None])
+    else:
         bo = sr.backbone_forward(model, weights.backbone, rs.cache, rs.anchor[:, None])
         buf = state.deferred
-        if buf.taps.shape[1]:
+        if ingest == "defer" and buf.taps.shape[1]:
             rows = jnp.arange(n.shape[0])
             at = jnp.where(running, buf.count, buf.taps.shape[1])  # out of range (dropped) for idle rows
             state = state._replace(deferred=Deferred(buf.taps.at[rows, at].set(bo.taps[:, 0], mode="drop"),
@@ -310,16 +374,11 @@ def plain_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, *,
         else:
             rs = rs._replace(draft=drafts.ingest(weights.draft, model.cfg, rs.draft, bo.taps, n,
                                                     impl=model.impl))
-    else:
-        bo = model.backbone.forward(weights.backbone, rs.cache, rs.anchor[:, None])
     token = sampling.sample(bo.logits[:, 0], state.slots.params, state.slots.seeds, rs.cache.length + 1,
                             sampling.Stream.RESAMPLE)
-    cache = model.backbone.commit(bo.cache, running.astype(jnp.int32))
+    cache = model.backbone.commit(bo.cache, n)
     rs = rs._replace(cache=cache, anchor=jnp.where(running, token, rs.anchor))
-    b = running.shape[0]
-    zeros = jnp.zeros((b,), jnp.int32)
-    return _after(state, rs, jnp.where(running, token, -1)[:, None], running.astype(jnp.int32), zeros, zeros,
-                  _no_conf(model, b), 0, max_len)
+    return state._replace(round=rs), jnp.where(running, token, -1)[:, None]
 
 
 def catch_up(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, *, width: int | None = None

@@ -634,8 +634,9 @@ class Engine:
         if pending.kind == "admit":
             self.metrics.first_tokens += int(active.sum())
         else:
-            self.metrics.record(d.num_verify, d.num_accepted, d.num_emitted, active, pending.kind == "spec")
-        if pending.kind == "spec" and self.config.record_rounds:
+            # An async round whose capacity was 0 ran as a plain step on device (drafted False).
+            self.metrics.record(d.num_verify, d.num_accepted, d.num_emitted, active, bool(d.drafted))
+        if bool(d.drafted) and self.config.record_rounds:
             for name, col in (("logits", d.conf_logits), ("num_verified", d.num_verify),
                               ("num_accepted", d.num_accepted)):
                 self.records[name].append(col[active])
