@@ -258,7 +258,7 @@ def spec_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, tab
     known before the draft runs. When C = 0 the round would verify nothing and emit exactly what a plain
     step emits (same keys); it then runs as a plain step (`_idle_round`) instead of paying the draft pass
     and a width-`width` verify forward for one token. Which branch runs depends on the past only, so
-    the output is the same either way; the saving is measured in BENCHMARKS.md (idle rounds)."""
+    the output is the same either way; the saving is measured in BENCHMARKS.md (Demo)."""
     running = state.slots.running
     budget_tokens = jnp.asarray(static_budget_tokens(running.shape[0], model.block_size))
     kw = dict(max_len=max_len, width=width, mode=mode, num_verify=num_verify, min_gain=min_gain,
