@@ -158,6 +158,15 @@ def admit(mode: str, conf: jax.Array, conf_lagged: jax.Array, num_drafts: jax.Ar
     raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
 
 
+def draft_counts(active: jax.Array, width: int, draft_cap: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+    """-> (cap i32[B]: the drafts each row may verify in a round of this width, num_drafts: cap for the
+    active rows and -1 for the others, the schedulers' padding marker)."""
+    cap = (jnp.full(active.shape, width - 1, jnp.int32) if draft_cap is None
+           else jnp.clip(draft_cap, 0, width - 1))
+    return cap, jnp.where(active, cap, -1)
+
+
 def spec_round(model: SpecModel, weights: Weights, state: RoundState, params: sampling.SamplingParams,
                seeds: jax.Array, active: jax.Array, *, width: int, mode: str = "fixed",
                num_verify: jax.Array | None = None, draft_cap: jax.Array | None = None,
@@ -172,8 +181,7 @@ def spec_round(model: SpecModel, weights: Weights, state: RoundState, params: sa
     length = state.draft.length
     out = (model.propose_fn or draft_propose)(model, weights, state, params, seeds, filtering)
     conf = jax.nn.sigmoid(out.conf_logits / weights.temperatures)
-    cap = jnp.full_like(length, width - 1) if draft_cap is None else jnp.clip(draft_cap, 0, width - 1)
-    num_drafts = jnp.where(active, cap, -1)
+    cap, num_drafts = draft_counts(active, width, draft_cap)
     lengths = admit(mode, conf, state.conf_lag[1], num_drafts, num_verify=num_verify, table=table,
                     min_gain=min_gain, budget_tokens=budget_tokens, acceptance_scale=acceptance_scale)
     lengths = jnp.where(active, jnp.clip(lengths, 0, cap), 0)

@@ -265,17 +265,34 @@ def spec_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, tab
               budget_tokens=budget_tokens, filtering=filtering)
     if mode != "async" or table is None:  # (async without a table: sr.admit says what is missing)
         return _speculative_round(model, weights, state, table, **kw)
-    lagged = async_capacity(state.round.conf_lag[1], table, min_gain, _num_drafts(model, state, max_len, width),
-                            budget_tokens, acceptance_scale(state.feedback))
+    _, num_drafts = sr.draft_counts(state.slots.running, width, _draft_cap(model, state, max_len))
+    lagged = async_capacity(state.round.conf_lag[1], table, min_gain, num_drafts, budget_tokens,
+                            acceptance_scale(state.feedback))
     return jax.lax.cond(lagged > 0, lambda st: _speculative_round(model, weights, st, table, **kw),
                         lambda st: _idle_round(model, weights, st, table, min_gain=min_gain,
                                                budget_tokens=budget_tokens, max_len=max_len), state)
 
 
-def _num_drafts(model: sr.SpecModel, state: DecodeState, max_len: int, width: int) -> jax.Array:
-    """The scheduler's num_drafts of this round as spec_round.spec_round builds it (-1: not running)."""
-    cap = jnp.clip(_caps(model, state, max_len), 0, width - 1)
-    return jnp.where(state.slots.running, cap, -1)
+def _draft_cap(model: sr.SpecModel, state: DecodeState, max_len: int) -> jax.Array:
+    """spec_round.spec_round's draft_cap: the drafts each row may verify (0 for rows not running)."""
+    return jnp.maximum(_caps(model, state, max_len), 0)
+
+
+def _later_capacity(model: sr.SpecModel, state: DecodeState, conf: jax.Array, table: CostTable, min_gain: float,
+                    budget_tokens: jax.Array) -> jax.Array:
+    """The async capacity `conf` gives a later round: every row still running then, each with all K drafts
+    (its cap then is not known now; the round clips to it)."""
+    later = jnp.where(state.slots.running, model.block_size, -1)
+    return async_capacity(conf, table, min_gain, later, budget_tokens, acceptance_scale(state.feedback))
+
+
+def _after_plain_step(model: sr.SpecModel, state: DecodeState, rs: sr.RoundState, tokens, max_len: int
+                      ) -> tuple[DecodeState, Delta]:
+    """_after for a plain step: every running row emits its one token; nothing drafted or verified."""
+    running = state.slots.running
+    zeros = jnp.zeros_like(state.slots.budget)
+    return _after(state, rs, tokens, running.astype(jnp.int32), zeros, zeros, _no_conf(model, running.shape[0]),
+                  0, max_len)
 
 
 def _idle_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, table: CostTable, *,
@@ -287,13 +304,8 @@ def _idle_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, ta
     newest = state.round.conf_lag[0]
     rs = state.round._replace(conf_lag=jnp.stack([newest, newest]))
     tokens = jnp.pad(tokens, ((0, 0), (0, model.block_size)), constant_values=-1)  # a round's [B, K+1]
-    running = state.slots.running
-    zeros = jnp.zeros_like(state.slots.budget)
-    state, delta = _after(state, rs, tokens, running.astype(jnp.int32), zeros, zeros,
-                          _no_conf(model, running.shape[0]), 0, max_len)
-    later = jnp.where(state.slots.running, model.block_size, -1)  # as the speculative branch reports it
-    return state, delta._replace(capacity=async_capacity(newest, table, min_gain, later, budget_tokens,
-                                                         acceptance_scale(state.feedback)))
+    state, delta = _after_plain_step(model, state, rs, tokens, max_len)
+    return state, delta._replace(capacity=_later_capacity(model, state, newest, table, min_gain, budget_tokens))
 
 
 def _speculative_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, table: CostTable | None, *,
@@ -301,11 +313,10 @@ def _speculative_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeSt
                        budget_tokens: jax.Array, filtering: bool) -> tuple[DecodeState, Delta]:
     """spec_round's speculative branch: draft, admit, verify, commit."""
     running = state.slots.running
-    caps = _caps(model, state, max_len)
     nv = None if num_verify is None else jnp.full(running.shape, num_verify, jnp.int32)
     rs, out = sr.spec_round(model, weights, state.round, state.slots.params, state.slots.seeds, running,
-                            width=width, mode=mode, num_verify=nv, draft_cap=jnp.maximum(caps, 0), table=table,
-                            min_gain=min_gain, budget_tokens=budget_tokens,
+                            width=width, mode=mode, num_verify=nv, draft_cap=_draft_cap(model, state, max_len),
+                            table=table, min_gain=min_gain, budget_tokens=budget_tokens,
                             acceptance_scale=acceptance_scale(state.feedback), filtering=filtering)
     feedback = state.feedback
     if table is not None:  # only the async capacity reads the feedback: no table, no bookkeeping
@@ -313,11 +324,7 @@ def _speculative_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeSt
     state, delta = _after(state._replace(feedback=feedback), rs, out.tokens, out.num_emitted, out.num_accepted,
                           out.num_verify, out.conf_logits, 0, max_len, drafted=True)
     if table is not None:
-        # The capacity of a later round: every row still running then, each with all K drafts (its cap
-        # then is not known now; the round clips to it).
-        later = jnp.where(state.slots.running, model.block_size, -1)
-        delta = delta._replace(capacity=async_capacity(out.conf, table, min_gain, later, budget_tokens,
-                                                       acceptance_scale(feedback)))
+        delta = delta._replace(capacity=_later_capacity(model, state, out.conf, table, min_gain, budget_tokens))
     return state, delta
 
 
@@ -345,10 +352,7 @@ def plain_round(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, *,
     (the caller runs `catch_up` before the buffer overflows or the draft proposes), else the draft
     ingests them now. The plain baseline runs without (no taps)."""
     state, tokens = _plain_step(model, weights, state, ingest="defer" if ingest_draft else "none")
-    running = state.slots.running
-    zeros = jnp.zeros_like(state.slots.budget)
-    return _after(state, state.round, tokens, running.astype(jnp.int32), zeros, zeros,
-                  _no_conf(model, running.shape[0]), 0, max_len)
+    return _after_plain_step(model, state, state.round, tokens, max_len)
 
 
 def _plain_step(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, *, ingest: str

@@ -631,12 +631,12 @@ class Engine:
 
     def _apply(self, pending: _Pending, d: ds.Delta, events: list[Event]) -> None:
         active = d.num_emitted > 0
+        drafted = bool(d.drafted)  # False for an async round whose capacity was 0: a plain step on device
         if pending.kind == "admit":
             self.metrics.first_tokens += int(active.sum())
         else:
-            # An async round whose capacity was 0 ran as a plain step on device (drafted False).
-            self.metrics.record(d.num_verify, d.num_accepted, d.num_emitted, active, bool(d.drafted))
-        if bool(d.drafted) and self.config.record_rounds:
+            self.metrics.record(d.num_verify, d.num_accepted, d.num_emitted, active, drafted)
+        if drafted and self.config.record_rounds:
             for name, col in (("logits", d.conf_logits), ("num_verified", d.num_verify),
                               ("num_accepted", d.num_accepted)):
                 self.records[name].append(col[active])
