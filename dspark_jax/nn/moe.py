@@ -100,10 +100,14 @@ def moe_ffn(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: dict, sha
     n_experts = experts["w1"].shape[0]
     combine = jnp.sum(jax.nn.one_hot(idx, n_experts, dtype=jnp.float32) * weights[..., None], axis=-2)  # [N, E]
     cd = experts["w1"].dtype
-    h = _expert_hidden(x, experts["w1"], experts["w3"], "nd,edi->nei", limit, act_fp8, fp8_grad) * combine[..., None]
-    h = _act(h.astype(cd), act_fp8, fp8_grad)
-    per_expert = mixed_einsum("nei,eid->ned", h, experts["w2"]).astype(cd)  # [N, E, D]
-    y = jnp.sum(per_expert.astype(jnp.float32), axis=1)
+    # Expert-major [E, N, ..] with E as the dots' batch axis: each expert's weights are read where they lie.
+    # (Contracting [N, D] with [E, D, I] directly makes XLA:CPU transpose the weights to [D, E*I] on every
+    # call, which cost the draft more than its experts' arithmetic.)
+    xe = jnp.broadcast_to(x, (n_experts, *x.shape))
+    h = _expert_hidden(xe, experts["w1"], experts["w3"], "end,edi->eni", limit, act_fp8, fp8_grad)
+    h = _act((h * combine.T[..., None]).astype(cd), act_fp8, fp8_grad)
+    per_expert = mixed_einsum("eni,eid->end", h, experts["w2"]).astype(cd)  # [E, N, D]
+    y = jnp.sum(per_expert.astype(jnp.float32), axis=0)
     if shared is not None:
         y = y + swiglu_mlp(x, shared["w1"], shared["w3"], shared["w2"], limit=limit, act_fp8=act_fp8,
                            fp8_grad=fp8_grad).astype(jnp.float32)
