@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Rebuild the embedded default model (dspark_jax/assets/default/) end to end on CPU.
-#   DRAFTS_PARALLEL=1 bash scripts/build_default.sh                 # ~4.3 h on 2 cores (see BENCHMARKS.md)
-#   DRAFTS_ONLY=1 DRAFTS_PARALLEL=1 bash scripts/build_default.sh   # keep the committed backbone: ~3.3 h
+#   DRAFTS_PARALLEL=1 bash scripts/build_default.sh                 # ~5.1 h on 2 cores (see BENCHMARKS.md)
+#   DRAFTS_ONLY=1 DRAFTS_PARALLEL=1 bash scripts/build_default.sh   # keep the committed backbone: ~4.1 h
 # Environment: BACKBONE_MINUTES (default 60) is the backbone's wall-clock budget; REGEN_PROMPTS (4096) how
 # many training prompts the backbone continues for the drafts' on-policy data; DRAFT_STEPS overrides the
 # drafts' steps (configs/default_train_draft_*.yaml: 1200 for dspark, parallel, onetoken); CONTINUE_STEPS
-# (default 1200, 0 = none) continues each draft for that many more steps, RESTARTS (default 2) times (warm
+# (default 1200, 0 = none) continues each draft for that many more steps, RESTARTS (default 3) times (warm
 # restarts, scripts/train_drafts.py);
 # DRAFTS_PARALLEL=1 trains the three drafts at the same time (default: one after another); DRAFTS_ONLY=1 skips the tokenizer and backbone
 # training and unpacks the committed backbone instead (scripts/unpack_default_backbone.py).
@@ -38,7 +38,7 @@ python scripts/train_drafts.py --prepare-only 2>&1 | tee "$B/logs/drafts_prepare
 dspark regenerate --train-config configs/default_train_draft_dspark.yaml --tokenizer "$B/tokenizer.json" \
   --data "$B/corpus/train.jsonl" --out "$B/regen.jsonl" --num-prompts "${REGEN_PROMPTS:-4096}" --prompt-len 64 \
   --max-tokens 192 --temperatures 0,1 --slots 64 2>&1 | tee "$B/logs/regenerate.log"
-log "6/8 drafts (dspark train x3: block 7 + Markov head, block 7 pure parallel, block 1), then a warm restart"
+log "6/8 drafts (dspark train x3: block 7 + Markov head, block 7 pure parallel, block 1), then the warm restarts"
 STEPS=()
 [ -n "${DRAFT_STEPS:-}" ] && STEPS=(--steps "$DRAFT_STEPS")
 # train_drafts ARGS...: the three drafts with these arguments, side by side (DRAFTS_PARALLEL=1) or in turn.
@@ -59,7 +59,7 @@ train_drafts "${STEPS[@]}"
 # stage, so each draft goes on from its exported weights with the same schedule again (warm-up, cosine to
 # zero), the optimizer state fresh, in <run_dir>/stage2/, stage3/, ... (a rerun resumes or skips each stage).
 if [ "${CONTINUE_STEPS:-1200}" -gt 0 ]; then
-  for k in $(seq 2 $((1 + ${RESTARTS:-2}))); do
+  for k in $(seq 2 $((1 + ${RESTARTS:-3}))); do
     train_drafts --continue-steps "${CONTINUE_STEPS:-1200}" --stage "$k"
   done
 fi
