@@ -61,11 +61,10 @@ def _act(x, act_fp8, fp8_grad):
     return fp8_quant_dequant(x, grad=fp8_grad) if act_fp8 else x
 
 
-def _expert_hidden(x: jax.Array, w1: jax.Array, w3: jax.Array, spec: str, limit: float, act_fp8: bool,
-                   fp8_grad: str) -> jax.Array:
-    """swiglu(w1 x, w3 x) in f32 from the bf16 outputs of the two linears (SPEC 2.9)."""
+def _expert_hidden(xa: jax.Array, w1: jax.Array, w3: jax.Array, spec: str, limit: float) -> jax.Array:
+    """swiglu(w1 xa, w3 xa) in f32 from the bf16 outputs of the two linears (SPEC 2.9); `xa` is the input
+    already in the weights' dtype and, in fp8 mode, rounded (`_act`)."""
     cd = w1.dtype
-    xa = _act(x.astype(cd), act_fp8, fp8_grad)
     g = mixed_einsum(spec, xa, w1).astype(cd)
     u = mixed_einsum(spec, xa, w3).astype(cd)
     return clamped_swiglu(g, u, limit)
@@ -79,7 +78,7 @@ def swiglu_mlp(x: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array, *, lim
     weight in f32, one cast to bf16 (then fp8 in fp8 mode) before w2, a bf16 output.
     """
     cd = w1.dtype
-    h = _expert_hidden(x, w1, w3, "...d,di->...i", limit, act_fp8, fp8_grad)
+    h = _expert_hidden(_act(x.astype(cd), act_fp8, fp8_grad), w1, w3, "...d,di->...i", limit)
     if weight is not None:  # routing weight is applied BEFORE w2, as the reference does
         h = h * weight[..., None]
     h = _act(h.astype(cd), act_fp8, fp8_grad)
@@ -101,10 +100,11 @@ def moe_ffn(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: dict, sha
     combine = jnp.sum(jax.nn.one_hot(idx, n_experts, dtype=jnp.float32) * weights[..., None], axis=-2)  # [N, E]
     cd = experts["w1"].dtype
     # Expert-major [E, N, ..] with E as the dots' batch axis: each expert's weights are read where they lie.
-    # (Contracting [N, D] with [E, D, I] directly makes XLA:CPU transpose the weights to [D, E*I] on every
-    # call, which cost the draft more than its experts' arithmetic.)
-    xe = jnp.broadcast_to(x, (n_experts, *x.shape))
-    h = _expert_hidden(xe, experts["w1"], experts["w3"], "end,edi->eni", limit, act_fp8, fp8_grad)
+    # (Contracting [N, D] with [E, D, I] directly makes XLA:CPU copy the weights to [D, E*I] on every call.)
+    # The input is rounded once, then shared by every expert.
+    xa = _act(x.astype(cd), act_fp8, fp8_grad)
+    h = _expert_hidden(jnp.broadcast_to(xa, (n_experts, *xa.shape)), experts["w1"], experts["w3"], "end,edi->eni",
+                       limit)
     h = _act((h * combine.T[..., None]).astype(cd), act_fp8, fp8_grad)
     per_expert = mixed_einsum("eni,eid->end", h, experts["w2"]).astype(cd)  # [E, N, D]
     y = jnp.sum(per_expert.astype(jnp.float32), axis=0)
