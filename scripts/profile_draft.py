@@ -36,15 +36,11 @@ def profile(b, batch: int, temperatures: list[str], filtering: bool, repeats: in
     """-> [(temperature, {column: (median, min) ms})] for one bundle at one batch."""
     from dspark_jax import drafts
     from dspark_jax import heads, sampling
-    from dspark_jax import spec_round as sr
+
+    from dspark_jax.bench.decode import started_state
 
     model, weights = b.model, b.weights
-    state = sr.init_state(model, batch, 256)
-    seeds = jnp.arange(batch, dtype=jnp.uint32)
-    prompt = jnp.ones((batch, 16), jnp.int32)
-    state, _ = jax.jit(sr.start, static_argnums=0)(model, weights, state, prompt, jnp.full((batch,), 16),
-                                                    jnp.ones(batch, bool), sampling.SamplingParams.make(batch),
-                                                    seeds)
+    state, seeds = started_state(model, weights, batch, sampling.SamplingParams.make(batch))
     cfg = model.cfg
     k = model.block_size
 

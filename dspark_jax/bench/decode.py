@@ -82,15 +82,22 @@ def bench_prompts(bundle, n, seed=0, max_prompt_tokens=128):
     return [rng.integers(0, bundle.model.backbone.vocab_size, 12).tolist() for _ in range(n)]
 
 
-def split_times(model: sr.SpecModel, weights: sr.Weights, batch: int, repeats: int):
-    """(T_draft, T_verify) seconds at `batch` slots: one jitted draft propose, one K+1-token forward."""
-    k = model.block_size
+def started_state(model: sr.SpecModel, weights: sr.Weights, batch: int, sp: sampling.SamplingParams):
+    """The spec-round state after 16-token prompts on every row (a 256-token cache): what the profiling
+    scripts time their programs on. -> (state, seeds)."""
     state = sr.init_state(model, batch, 256)
-    sp = sampling.SamplingParams.greedy(batch)
     seeds = jnp.arange(batch, dtype=jnp.uint32)
     prompt = jnp.ones((batch, 16), jnp.int32)
     state, _ = jax.jit(sr.start, static_argnums=0)(model, weights, state, prompt, jnp.full((batch,), 16),
                                                     jnp.ones(batch, bool), sp, seeds)
+    return state, seeds
+
+
+def split_times(model: sr.SpecModel, weights: sr.Weights, batch: int, repeats: int):
+    """(T_draft, T_verify) seconds at `batch` slots: one jitted draft propose, one K+1-token forward."""
+    k = model.block_size
+    sp = sampling.SamplingParams.greedy(batch)
+    state, seeds = started_state(model, weights, batch, sp)
     prop = jax.jit(lambda w, s: drafts.propose(w.draft, w.tied, model.cfg, s.draft, s.anchor, sp, seeds,
                                                   impl=model.impl, filtering=False))
     toks = jnp.ones((batch, k + 1), jnp.int32)
