@@ -14,6 +14,11 @@ DeepSpec-family DSpark draft, going through the SAME path a user takes with a re
 
     python scripts/assemble_default_qwen3.py [--build build/default_qwen3] [--dest dspark_jax/assets/default_qwen3]
     python scripts/assemble_default_qwen3.py --docs-only      # refresh README.md and logs/ only
+    python scripts/assemble_default_qwen3.py --add-variants parallel onetoken   # only add the comparison drafts
+
+The comparison drafts (build/default_qwen3/draft_<name>, trained on the DSpark draft's data with its budget:
+configs/default_qwen3_train_draft_<name>.yaml) go to DEST/variants/<name>/ (draft.json + bf16
+draft.safetensors, what `dspark bench acceptance --variants` reads); a full assembly adds those present.
 """
 
 from __future__ import annotations
@@ -63,6 +68,42 @@ def to_bf16_in_place(path: Path) -> None:
     save_file(path, out)
 
 
+VARIANTS = ("parallel", "onetoken")  # the comparison drafts: pure parallel (rank 0) and block 1
+
+
+def add_variants(build: Path, dest: Path, names) -> dict:
+    """DEST/variants/<name>/ from each trained comparison draft, their logs into logs/ -> {name: final
+    figures}. The f32 training weights are rounded to bf16, the rounding the bundle's draft gets in its
+    DeepSpec export, so the three drafts are measured at the same precision."""
+    from dspark_jax import drafts
+    from dspark_jax.bundle import flatten
+    from dspark_jax.checkpoint.safetensors_io import save_file
+
+    figures = {}
+    for name in names:
+        step, params = latest_params(build / f"draft_{name}")
+        cfg = drafts.load_config(ROOT / "configs" / f"default_qwen3_draft_{name}.json")
+        vdir = dest / "variants" / name
+        vdir.mkdir(parents=True, exist_ok=True)
+        (vdir / "draft.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        flat = flatten(params)
+        save_file(vdir / "draft.safetensors",
+                  {k: np.asarray(v, np.float32).astype(ml_dtypes.bfloat16) for k, v in flat.items()})
+        last = last_json_line(build / f"draft_{name}" / "metrics.jsonl") or {}
+        figures[name] = {"steps": step, **final_figures(last),
+                         "params": int(sum(np.prod(np.shape(x)) for x in flat.values()))}
+        (dest / "logs").mkdir(exist_ok=True)
+        shutil.copy(build / f"draft_{name}" / "metrics.jsonl", dest / "logs" / f"draft_{name}_metrics.jsonl")
+        print(f"variant {name} (step {step}) -> {vdir}", flush=True)
+    return figures
+
+
+def final_figures(last_log_line: dict) -> dict:
+    """The figures of a draft's last training log line that training.json records."""
+    return {k: v for k, v in last_log_line.items() if k in ("loss", "ce", "l1", "conf", "tau_estimate")
+            or k.startswith("accept_rate@")}
+
+
 def main(argv=None) -> int:
     from dspark_jax.backbones.qwen3 import Qwen3Backbone
     from dspark_jax.checkpoint.deepspec import export_deepspec_draft
@@ -77,10 +118,17 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-config", default="configs/default_qwen3_draft.json")
     ap.add_argument("--dest", default="dspark_jax/assets/default_qwen3")
     ap.add_argument("--docs-only", action="store_true", help="only (re)write README.md and logs/")
+    ap.add_argument("--add-variants", nargs="+", default=None, choices=VARIANTS, metavar="NAME",
+                    help="only add these trained comparison drafts (parallel, onetoken) to the assembled default")
     args = ap.parse_args(argv)
     build, shared, dest = ROOT / args.build, ROOT / args.shared, ROOT / args.dest
     if args.docs_only:
         write_docs(build, dest)
+        return 0
+    if args.add_variants:
+        info = json.loads((dest / "training.json").read_text())
+        info.setdefault("variants", {}).update(add_variants(build, dest, args.add_variants))
+        (dest / "training.json").write_text(json.dumps(info, indent=2) + "\n")
         return 0
 
     step, params = latest_params(build / "draft")
@@ -110,10 +158,9 @@ def main(argv=None) -> int:
                          "tokens": bstate["tokens"], "train_loss_ema": bstate["loss_ema"],
                          "heldout_loss": held and held["heldout_loss"], "minutes": round(bstate["elapsed_s"] / 60, 1),
                          "seq_len": bstate.get("seq_len"), "batch": bstate.get("batch")},
-            "draft": {"family": "qwen3 (DeepSpec)", "steps": step,
-                      **{k: v for k, v in last.items() if k in ("loss", "ce", "l1", "conf", "tau_estimate")
-                         or k.startswith("accept_rate@")},
-                      "params": int(sum(np.prod(np.shape(x)) for x in flatten_paths(params).values()))}}
+            "draft": {"family": "qwen3 (DeepSpec)", "steps": step, **final_figures(last),
+                      "params": int(sum(np.prod(np.shape(x)) for x in flatten_paths(params).values()))},
+            "variants": add_variants(build, dest, [n for n in VARIANTS if (build / f"draft_{n}").is_dir()])}
     (dest / "training.json").write_text(json.dumps(info, indent=2) + "\n")
     write_docs(build, dest)
     total = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
@@ -135,6 +182,10 @@ Built by `bash scripts/build_default_qwen3.sh` (see the scripts for every step);
 - The bundle was made the way a released Qwen3 DSpark draft is served: the trained draft was exported in the
   DeepSpec checkpoint layout (`Qwen3DSparkModel` config.json + bf16 model.safetensors), the target saved as
   a Hugging Face Qwen3 folder, and `dspark convert DRAFT DEST --to bundle --backbone TARGET` joined them.
+- `variants/parallel/`, `variants/onetoken/`: the comparison drafts, trained on the same data with the same
+  budget (seed, steps, optimiser): the same draft with `markov_rank 0` (pure parallel; its confidence head
+  reads no Markov input) and with block 1 (a one-token draft); `dspark bench acceptance --bundle
+  dspark_jax/assets/default_qwen3` measures all three.
 - `tokenizer.json`, `prompts.jsonl`, the corpus: shared with `dspark_jax/assets/default` (stdlib sources,
   split by file; the evaluation prompts and the calibration prompts come from different held-out files).
 - The draft's training data is on-policy: 4096 prompts of 64 tokens cut from the training split, each
@@ -153,7 +204,7 @@ def write_docs(build: Path, dest: Path) -> None:
     logs = dest / "logs"
     logs.mkdir(exist_ok=True)
     for src, name in ((build / "backbone" / "log.jsonl", "backbone_log.jsonl"),
-                      (build / "draft" / "metrics.jsonl", "draft_metrics.jsonl"),
+                      (build / "draft" / "metrics.jsonl", "draft_dspark_metrics.jsonl"),
                       (build / "calibration_summary.json", "calibration_summary.json"),
                       (build / "acceptance.json", "acceptance.json")):
         if src.is_file():

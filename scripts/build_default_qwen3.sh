@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Rebuild the second embedded default (dspark_jax/assets/default_qwen3/) end to end on CPU: a tiny Qwen3
-# target and a DeepSpec-family ("qwen3") DSpark draft, assembled through `dspark convert --to bundle`
-# exactly as a released Qwen3 DSpark draft would be.
-#   bash scripts/build_default_qwen3.sh                 # ~1 h on 2 cores (longer on a loaded machine)
-#   DRAFTS_ONLY=1 bash scripts/build_default_qwen3.sh   # keep the committed target: ~40 min
+# target and a DeepSpec-family ("qwen3") DSpark draft, assembled through `dspark convert --to bundle` exactly
+# as a released Qwen3 DSpark draft would be, with its pure-parallel and one-token comparison drafts.
+#   DRAFTS_PARALLEL=1 bash scripts/build_default_qwen3.sh                 # ~50 min on 2 cores
+#   DRAFTS_ONLY=1 DRAFTS_PARALLEL=1 bash scripts/build_default_qwen3.sh   # keep the committed target: ~25 min
+# (the three drafts one after another instead: ~30 min more; longer on a loaded machine)
 # Environment: BACKBONE_MINUTES (default 22) is the target's wall-clock budget; REGEN_PROMPTS (4096) how many
 # training prompts the target continues for the draft's on-policy data; DRAFT_STEPS overrides the draft's
-# steps (configs/default_qwen3_train_draft.yaml, 1600: ~20 min); DRAFTS_ONLY=1 unpacks the committed target
+# steps (configs/default_qwen3_train_draft.yaml, 1600: ~20 min each alone) for the DSpark draft and its two
+# comparison drafts (configs/default_qwen3_train_draft_{parallel,onetoken}.yaml: same data, seed and budget;
+# DRAFTS_PARALLEL=1 trains the three at the same time); DRAFTS_ONLY=1 unpacks the committed target
 # (scripts/unpack_default_backbone.py) instead of training one. The corpus, tokenizer and held-out prompts
 # are the first default's (build/default_model, made by scripts/build_default.sh's first steps, which run
 # here too when missing). Logs and intermediates go to build/default_qwen3/.
@@ -41,19 +44,28 @@ log "3/8 on-policy draft data: the target continues ${REGEN_PROMPTS:-4096} train
 dspark regenerate --train-config configs/default_qwen3_train_draft.yaml --tokenizer "$S/tokenizer.json" \
   --data "$S/corpus/train.jsonl" --out "$B/regen.jsonl" --num-prompts "${REGEN_PROMPTS:-4096}" --prompt-len 64 \
   --max-tokens 192 --temperatures 0,1 --slots 64 --no-progress 2>&1 | tee "$B/logs/regenerate.log"
-log "4/8 DeepSpec draft: dspark train --config configs/default_qwen3_train_draft.yaml; log: $B/logs/draft.log"
+log "4/8 DeepSpec drafts: DSpark, pure parallel, one-token (configs/default_qwen3_train_draft*.yaml); logs: $B/logs/draft*.log"
 STEPS=()
 [ -n "${DRAFT_STEPS:-}" ] && STEPS=(--steps "$DRAFT_STEPS")
-python -m dspark_jax train --config configs/default_qwen3_train_draft.yaml --no-progress "${STEPS[@]}" \
-  > "$B/logs/draft.log" 2>&1
-tail -n 1 "$B/logs/draft.log"
-log "5/8 assemble dspark_jax/assets/default_qwen3 (DeepSpec layout -> dspark convert --to bundle)"
+train_draft() {  # train_draft SUFFIX: "" (DSpark), _parallel or _onetoken
+  python -m dspark_jax train --config "configs/default_qwen3_train_draft$1.yaml" --no-progress "${STEPS[@]}" \
+    > "$B/logs/draft$1.log" 2>&1
+}
+if [ "${DRAFTS_PARALLEL:-0}" = 1 ]; then
+  pids=()
+  for n in "" _parallel _onetoken; do train_draft "$n" & pids+=($!); done
+  for p in "${pids[@]}"; do wait "$p"; done
+else
+  for n in "" _parallel _onetoken; do train_draft "$n"; done
+fi
+for n in "" _parallel _onetoken; do tail -n 1 "$B/logs/draft$n.log"; done
+log "5/8 assemble dspark_jax/assets/default_qwen3 (DeepSpec layout -> dspark convert --to bundle; the comparison drafts as variants/)"
 python scripts/assemble_default_qwen3.py --build "$B" 2>&1 | tee "$B/logs/assemble.log"
 log "6/8 STS calibration on held-out rounds (calibration prompts, T = 1)"
 python scripts/fit_calibration.py --bundle dspark_jax/assets/default_qwen3 --prompts "$S/calib_prompts.jsonl" \
-  --records-dir "$B" --variants dspark --slots 8 --max-tokens 64 2>&1 | tee "$B/logs/calibration.log"
+  --records-dir "$B" --variants dspark parallel onetoken --slots 8 --max-tokens 64 2>&1 | tee "$B/logs/calibration.log"
 log "7/8 dspark bench acceptance on the held-out evaluation prompts"
-dspark bench acceptance --bundle dspark_jax/assets/default_qwen3 --variants dspark --no-progress \
+dspark bench acceptance --bundle dspark_jax/assets/default_qwen3 --variants dspark parallel onetoken --no-progress \
   --json "$B/acceptance.json" --plot "$B/acceptance.png" 2>&1 | tee "$B/logs/bench_acceptance.log"
 log "8/8 README.md and logs/ (training logs, calibration summary, benchmark numbers) into the assets"
 python scripts/assemble_default_qwen3.py --build "$B" --docs-only

@@ -134,6 +134,21 @@ def test_default_qwen3_bundle_and_its_deepspec_export(tmp_path):
 
 
 @needs_default_qwen3
+def test_default_qwen3_variants_load_strictly():
+    # The comparison drafts (same data and budget as the DSpark draft) against the same target.
+    from dspark_jax.evaluation import load_variant
+
+    b = default_qwen3()
+    for name, block, rank0 in (("parallel", 7, True), ("onetoken", 1, False)):
+        model, weights, cal = load_variant(b, name)
+        assert model.cfg.family == "qwen3" and model.block_size == block
+        assert (model.cfg.markov_rank == 0) == rank0
+        assert model.cfg.confidence_head_with_markov == (not rank0)
+        assert model.backbone is b.model.backbone and model.tap_mode == "output"
+        assert cal is not None and cal.num_positions == block
+
+
+@needs_default_qwen3
 @pytest.mark.slow
 def test_default_qwen3_greedy_speculative_equals_plain_and_accepts():
     from dspark_jax.evaluation import make_requests, read_prompts

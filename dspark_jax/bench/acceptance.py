@@ -1,8 +1,9 @@
 """`dspark bench acceptance`: tau and per-position conditional acceptance of the embedded drafts.
 
-The three drafts of the embedded default model, each against the SAME trained backbone and the SAME
-held-out prompts (dspark_jax/assets/default/prompts.jsonl, functions cut from stdlib files that neither
-the backbone nor the drafts saw):
+The three drafts of an embedded default (dspark_jax/assets/default, or with --bundle
+dspark_jax/assets/default_qwen3 the Qwen3 one), each against the SAME trained backbone and the SAME
+held-out prompts (the bundle's prompts.jsonl, functions cut from stdlib files that neither the backbone
+nor the drafts saw), trained on the same data with the same budget:
   * dspark    block 7 with the Markov head (the default bundle's draft)
   * parallel  the same draft with markov_rank 0 (pure parallel, DFlash-like)
   * onetoken  block 1 (a one-token draft)

@@ -2,7 +2,8 @@
 
 A warm restart adds a stage to a draft's run folder; the build resumes an unfinished stage rather than
 starting another, joins every stage's metrics with the steps counted on, and the curves plot marks where
-each restart began. These are file operations only: no training runs here.
+each restart began. The comparison drafts' run configs are the DSpark draft's but for the one draft
+field that defines them. These are file operations only: no training runs here.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+
+import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,3 +75,27 @@ def test_a_stage_already_done_is_skipped_and_one_out_of_order_is_refused(tmp_pat
     assert "stage 2 is already trained" in capsys.readouterr().out
     assert train_drafts.continue_draft("dspark", 10, None, stage=4) == 2
     assert "stage 3, which is not trained yet" in capsys.readouterr().err
+
+
+# The comparison drafts of both defaults: same data, seed, steps and optimiser as the DSpark draft, and
+# a draft config that differs in exactly the field(s) that make it the comparison.
+_COMPARISONS = [
+    ("default_train_draft_dspark.yaml", "default_train_draft_parallel.yaml", {"markov_rank": 0}),
+    ("default_train_draft_dspark.yaml", "default_train_draft_onetoken.yaml", {"block_size": 1}),
+    ("default_qwen3_train_draft.yaml", "default_qwen3_train_draft_parallel.yaml",
+     {"markov_rank": 0, "confidence_head_with_markov": False}),
+    ("default_qwen3_train_draft.yaml", "default_qwen3_train_draft_onetoken.yaml", {"block_size": 1}),
+]
+
+
+@pytest.mark.parametrize("dspark, other, changed", _COMPARISONS, ids=[c[1] for c in _COMPARISONS])
+def test_comparison_drafts_share_the_dspark_drafts_recipe(dspark, other, changed):
+    configs = ROOT / "configs"
+    runs = [yaml.safe_load((configs / name).read_text()) for name in (dspark, other)]
+    assert runs[0]["run_dir"] != runs[1]["run_dir"]
+    draft_cfgs = [json.loads((configs / run["draft"].pop("config")).read_text()) for run in runs]
+    for run in runs:
+        run.pop("run_dir")
+    assert runs[0] == runs[1]  # data, seed, steps, batch, optimiser, loss: the same budget
+    diff = {k: v for k, v in draft_cfgs[1].items() if draft_cfgs[0].get(k) != v}
+    assert diff == changed and set(draft_cfgs[0]) == set(draft_cfgs[1])
