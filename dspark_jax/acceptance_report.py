@@ -23,9 +23,12 @@ def acceptance_bars(ax, xs, acc, counts, width: float, label: str, color: str) -
     acc = np.asarray([np.nan if a is None else a for a in acc], float)
     counts = np.asarray(counts, int)
     solid = counts >= MIN_PLOT_ROUNDS
-    ax.bar(xs[solid], acc[solid], width, label=label, color=color)
+    # The label goes on the solid bars, or on the outlines when there are none (an empty bar set's legend
+    # entry would show matplotlib's default colour, not this series').
+    ax.bar(xs[solid], acc[solid], width, label=label if solid.any() else None, color=color)
     if (~solid).any():
-        ax.bar(xs[~solid], np.nan_to_num(acc[~solid]), width, fill=False, hatch="//", edgecolor=color)
+        ax.bar(xs[~solid], np.nan_to_num(acc[~solid]), width, fill=False, hatch="//", edgecolor=color,
+               label=None if solid.any() else label)
     for x, a, n in zip(xs, acc, counts):
         ax.text(x, (0 if np.isnan(a) else a) + 0.01, f"n={n}", ha="center", va="bottom", fontsize=6, rotation=90)
 
