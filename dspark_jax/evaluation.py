@@ -7,6 +7,7 @@ Shared by `dspark demo`, `dspark bench acceptance` and scripts/fit_calibration.p
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -53,6 +54,19 @@ def load_variant(bundle, name: str):
     temps = jnp.asarray(cal.temperatures if cal else np.ones(cfg.block_size), jnp.float32)
     model = sr.SpecModel(bundle.model.backbone, cfg, tap_mode=bundle.model.tap_mode, impl=bundle.model.impl)
     return model, sr.Weights(bundle.weights.backbone, params, bundle.weights.tied, temps), cal
+
+
+def save_variant(bundle_dir, name: str, cfg, params: dict, dtype) -> None:
+    """Write draft `name` as a variant of the bundle in `bundle_dir`, the folder `load_variant` reads:
+    variants/<name>/draft.json (the config) and draft.safetensors (the parameters cast to `dtype`)."""
+    from dspark_jax.bundle import flatten  # noqa: PLC0415
+    from dspark_jax.checkpoint.safetensors_io import save_file  # noqa: PLC0415
+
+    vdir = Path(bundle_dir) / "variants" / name
+    vdir.mkdir(parents=True, exist_ok=True)
+    (vdir / "draft.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+    save_file(vdir / "draft.safetensors",
+              {k: np.asarray(v, np.float32).astype(dtype) for k, v in flatten(params).items()})
 
 
 def with_temperatures(weights, temperatures):

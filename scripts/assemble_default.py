@@ -100,31 +100,22 @@ def load_trained(build: Path, name: str):
     return cfg, unflatten_strict(open_checkpoint(run / "draft.safetensors"), drafts.abstract_params(cfg), f"draft {name}")
 
 
-def save_variant(dest: Path, name: str, cfg, dparams, dtype) -> None:
-    """dest/variants/<name>/: draft.json + draft.safetensors (what `dspark bench acceptance --variants` reads)."""
-    from dspark_jax.bundle import flatten
-    from dspark_jax.checkpoint.safetensors_io import save_file
-
-    vdir = dest / "variants" / name
-    vdir.mkdir(parents=True, exist_ok=True)
-    (vdir / "draft.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    save_file(vdir / "draft.safetensors", {k: np.asarray(v) for k, v in flatten(cast(dparams, dtype)).items()})
-
-
 def final_metrics(build: Path, name: str, dparams) -> dict:
     """The last training log line's figures and the parameter count of a trained draft."""
-    from dspark_jax.bundle import flatten
+    from dspark_jax import drafts
 
     last = last_json_line(build / "drafts" / name / "metrics.jsonl") or {}
     out = {k: v for k, v in last.items() if k in ("step", "loss", "ce", "l1", "conf", "tau_estimate")
            or k.startswith("accept_rate@")}
-    out["params"] = int(sum(np.prod(np.shape(x)) for x in flatten(dparams).values()))
+    out["params"] = drafts.count_params(dparams)
     return out
 
 
 def add_variants(build: Path, dest: Path, names: list[str], dtype) -> int:
     """Add trained drafts as variants of an assembled default (the Markov head variants, issue 19), their
     final training figures into training.json and their logs into logs/; the bundle itself is untouched."""
+    from dspark_jax.evaluation import save_variant
+
     info = json.loads((dest / "training.json").read_text())
     for name in names:
         cfg, dparams = load_trained(build, name)
@@ -172,6 +163,7 @@ def main(argv=None) -> int:
     from dspark_jax.backbones.mhc import MhcBackbone, MhcConfig
     from dspark_jax.bundle import save_bundle, unflatten_strict
     from dspark_jax.checkpoint.safetensors_io import open_checkpoint
+    from dspark_jax.evaluation import save_variant
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", default="build/default_model")

@@ -76,25 +76,18 @@ def add_variants(build: Path, dest: Path, names) -> dict:
     figures}. The f32 training weights are rounded to bf16, the rounding the bundle's draft gets in its
     DeepSpec export, so the three drafts are measured at the same precision."""
     from dspark_jax import drafts
-    from dspark_jax.bundle import flatten
-    from dspark_jax.checkpoint.safetensors_io import save_file
+    from dspark_jax.evaluation import save_variant
 
     figures = {}
     for name in names:
         step, params = latest_params(build / f"draft_{name}")
         cfg = drafts.load_config(ROOT / "configs" / f"default_qwen3_draft_{name}.json")
-        vdir = dest / "variants" / name
-        vdir.mkdir(parents=True, exist_ok=True)
-        (vdir / "draft.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        flat = flatten(params)
-        save_file(vdir / "draft.safetensors",
-                  {k: np.asarray(v, np.float32).astype(ml_dtypes.bfloat16) for k, v in flat.items()})
+        save_variant(dest, name, cfg, params, ml_dtypes.bfloat16)
         last = last_json_line(build / f"draft_{name}" / "metrics.jsonl") or {}
-        figures[name] = {"steps": step, **final_figures(last),
-                         "params": int(sum(np.prod(np.shape(x)) for x in flat.values()))}
+        figures[name] = {"steps": step, **final_figures(last), "params": drafts.count_params(params)}
         (dest / "logs").mkdir(exist_ok=True)
         shutil.copy(build / f"draft_{name}" / "metrics.jsonl", dest / "logs" / f"draft_{name}_metrics.jsonl")
-        print(f"variant {name} (step {step}) -> {vdir}", flush=True)
+        print(f"variant {name} (step {step}) -> {dest / 'variants' / name}", flush=True)
     return figures
 
 
@@ -108,7 +101,6 @@ def main(argv=None) -> int:
     from dspark_jax.backbones.qwen3 import Qwen3Backbone
     from dspark_jax.checkpoint.deepspec import export_deepspec_draft
     from dspark_jax.checkpoint.qwen3_hf import load_qwen3_hf
-    from dspark_jax.checkpoint.trees import flatten_paths
     from dspark_jax.cli import main as dspark
     from dspark_jax import drafts
 
@@ -159,7 +151,7 @@ def main(argv=None) -> int:
                          "heldout_loss": held and held["heldout_loss"], "minutes": round(bstate["elapsed_s"] / 60, 1),
                          "seq_len": bstate.get("seq_len"), "batch": bstate.get("batch")},
             "draft": {"family": "qwen3 (DeepSpec)", "steps": step, **final_figures(last),
-                      "params": int(sum(np.prod(np.shape(x)) for x in flatten_paths(params).values()))},
+                      "params": drafts.count_params(params)},
             "variants": add_variants(build, dest, [n for n in VARIANTS if (build / f"draft_{n}").is_dir()])}
     (dest / "training.json").write_text(json.dumps(info, indent=2) + "\n")
     write_docs(build, dest)
