@@ -29,8 +29,8 @@ At V4.1-Flash (K=5, H=64, hd=512, W=128) TQ = 320: one grid step per request, ~3
 
 Numerics (SPEC 2.9, shared by the reference and the kernel: `blocked_softmax_values`): f32 scores, an
 online softmax over consecutive blocks of 64 keys with running max and sum in f32, the sink in the final
-denominator. The keys are in the official order (`ring_key_rank`): ring rows oldest first, then the draft
-rows. When q, ring and draft rows are all bf16 (bf16 compute) the score product runs on bf16
+denominator. The keys are in the draft's official order (SPEC 2.5, `draft_key_rank`): the valid ring
+slots in slot order, then the draft rows. When q, ring and draft rows are all bf16 (bf16 compute) the score product runs on bf16
 operands with f32 accumulation (exact products) and each block's probabilities are rounded to bf16
 before the value product, as the official forward does. Every other dtype combination runs both
 products in f32 at Precision.HIGHEST without rounding.
@@ -48,6 +48,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from dspark_jax.kernels._common import (LANES, VMEM_BUDGET_BYTES, VMEM_LIMIT_BYTES, resolve_impl, round_up,
                                         shard_kernel, sublanes)
+from dspark_jax.nn.rounding import to_dtype
 
 MAX_ROW_BLOCK = 512
 _NT = (((1,), (1,)), ((), ()))  # contract the last dims of both operands: x @ y.T
@@ -57,28 +58,28 @@ _NN = (((1,), (0,)), ((), ()))
 KEY_BLOCK = 64  # the official forward's online softmax walks the keys in blocks of 64
 
 
-def ring_key_rank(slot: jax.Array, ring_len: jax.Array, window: int) -> jax.Array:
-    """Where ring slot `slot` stands in the official key order: oldest position first.
+def draft_key_rank(row: jax.Array, ring_len: jax.Array, window: int) -> jax.Array:
+    """Where draft row `row` (0 .. K-1) stands in the draft's key order (SPEC 2.5).
 
-    V4's window index list (`get_window_topk_idxs`) is the slots in chronological order, so a full ring
-    (ring_len >= W) starts at the slot after the newest row, (ring_len % W); a partial ring is slots
-    0 .. ring_len - 1 followed by its empty slots. The K draft rows come after all W places. The order
-    matters only through the 64-key blocks of the online softmax (`blocked_softmax_values`).
+    The draft's own index list (official `get_dspark_topk_idxs`) is `cat(arange(min(W, p+1)), W +
+    arange(K))`: the valid ring SLOTS in slot order (a ring slot's rank is its slot index, also once the
+    ring has wrapped and slot 0 no longer holds the oldest row), then the K draft rows right after them.
+    The main model's chronological `get_window_topk_idxs` is not used by the draft. The order matters only
+    through the 64-key blocks of the online softmax (`blocked_softmax_values`): chronological order puts
+    other keys together in a block and moves 12-30% of the outputs of a wrapped ring by one bf16 ulp.
     """
-    start = jnp.where(ring_len >= window, ring_len % window, 0)
-    d = slot - start  # in (-W, W): a select instead of a vector remainder keeps it simple for Mosaic
-    return jnp.where(d < 0, d + window, d)
+    return jnp.clip(ring_len, 0, window) + row
 
 
-def blocked_softmax_values(segments, sink: jax.Array, dot, *, num_keys: int, round_probs: bool,
+def blocked_softmax_values(segments, sink: jax.Array, dot, *, num_keys: int, round_probs=None,
                            block: int = KEY_BLOCK):
     """The attention output sum_j p_j v_j / (sum_j p_j + exp(sink - m)) by the official online softmax.
 
     `segments` = [(scores f32 [.., n_i] with -inf at masked keys, values [n_i, ..], rank), ...]; `rank`
     (int, broadcasting against the scores) is each key's place in the official key order, 0 ..
     num_keys - 1, and the keys are visited in consecutive blocks of `block` places. Per block: running
-    max m and running sum l in f32, the block's probabilities exp(s - m) rounded to bf16 when
-    `round_probs` (bf16 compute: the official code casts them before the value product) and multiplied
+    max m and running sum l in f32, the block's probabilities exp(s - m) rounded to bf16 by `round_probs`
+    when given (bf16 compute: the official code casts them before the value product) and multiplied
     with the values by `dot(p, values)` (f32 accumulation); the running sum adds the unrounded ones. The
     sink enters the final denominator only. Blocks are selected by masks, not gathers or slices, so the
     same code runs inside a Mosaic kernel. `sink` broadcasts against the scores without their key axis.
@@ -98,8 +99,8 @@ def blocked_softmax_values(segments, sink: jax.Array, dot, *, num_keys: int, rou
         for s, v in parts:
             p = jnp.exp(s - m_safe)
             l = l + jnp.sum(p, axis=-1, keepdims=True)
-            if round_probs:
-                p = p.astype(jnp.bfloat16)
+            if round_probs is not None:
+                p = round_probs(p)
             acc = acc + dot(p, v)
         m = m_new
     return acc / (l + jnp.exp(sink - m))
@@ -125,16 +126,16 @@ def window_attention_reference(q: jax.Array, ring_kv: jax.Array, ring_len: jax.A
     s_ring = jnp.einsum("bkhd,bjd->bkhj", qf, ring, precision=hi) * scale
     s_ring = jnp.where(valid[:, None, None, :], s_ring, -jnp.inf)
     s_draft = jnp.einsum("bkhd,bjd->bkhj", qf, draft, precision=hi) * scale
-    ring_rank = ring_key_rank(jnp.arange(w)[None, :], length[:, None], w)[:, None, None, :]  # [B, 1, 1, W]
-    draft_rank = w + jnp.arange(k)
+    ring_rank = jnp.arange(w)  # a ring slot's rank is its slot index
+    draft_rank = draft_key_rank(jnp.arange(k)[None, :], length[:, None], w)[:, None, None, :]  # [B, 1, 1, K]
 
     def dot(p, v):  # p [B, K, H, n] (bf16 or f32), v [B, n, hd] f32 holding bf16 or f32 values
         return jnp.einsum("bkhj,bjd->bkhd", p.astype(f32), v, precision=hi)
 
     o = blocked_softmax_values([(s_ring, ring, ring_rank), (s_draft, draft, draft_rank)],
                                sink.astype(f32)[None, None, :, None], dot, num_keys=w + k,
-                               round_probs=_fast_path(q.dtype, ring_kv.dtype, draft_kv.dtype))
-    return o.astype(q.dtype)
+                               round_probs=_bf16_rounding(q.dtype, ring_kv.dtype, draft_kv.dtype, fusion_proof=True))
+    return to_dtype(o, q.dtype)
 
 
 def _check_shapes(q, ring_kv, ring_len, draft_kv, sink) -> None:
@@ -152,6 +153,17 @@ def _check_shapes(q, ring_kv, ring_len, draft_kv, sink) -> None:
 
 def _fast_path(q_dtype, ring_dtype, draft_dtype) -> bool:
     return all(jnp.dtype(d) == jnp.bfloat16 for d in (q_dtype, ring_dtype, draft_dtype))
+
+
+def _bf16_rounding(q_dtype, ring_dtype, draft_dtype, *, fusion_proof: bool):
+    """How the probabilities are rounded to bf16 before the value product (bf16 compute only, else None).
+    Under XLA the rounding must survive fusion (`nn.rounding`); a Mosaic kernel has no such fusion and no
+    reduce_precision, so a compiled kernel casts."""
+    if not _fast_path(q_dtype, ring_dtype, draft_dtype):
+        return None
+    if fusion_proof:
+        return lambda p: to_dtype(p, jnp.bfloat16)
+    return lambda p: p.astype(jnp.bfloat16)
 
 
 def _vmem_bytes(tq: int, hd: int, w: int, kp: int, q_item: int, kv_item: int) -> int:
@@ -180,7 +192,8 @@ def plan_row_block(rows: int, hd: int, w: int, num_draft: int, q_dtype, kv_dtype
     return tq
 
 
-def _kernel(len_ref, q_ref, ring_ref, draft_ref, sink_ref, o_ref, *, scale: float, num_draft: int, fast: bool):
+def _kernel(len_ref, q_ref, ring_ref, draft_ref, sink_ref, o_ref, *, scale: float, num_draft: int, fast: bool,
+            interpret: bool):
     f32 = jnp.float32
     w = ring_ref.shape[0]
     length = len_ref[pl.program_id(0)]
@@ -208,11 +221,12 @@ def _kernel(len_ref, q_ref, ring_ref, draft_ref, sink_ref, o_ref, *, scale: floa
     s_draft = scores(draft) * scale  # [TQ, Kp]; the padding rows Kp > K are the segment's tail
     s_ring = jnp.where(lax.broadcasted_iota(jnp.int32, s_ring.shape, 1) < n, s_ring, -jnp.inf)
     s_draft = jnp.where(lax.broadcasted_iota(jnp.int32, s_draft.shape, 1) < num_draft, s_draft, -jnp.inf)
-    ring_rank = ring_key_rank(lax.broadcasted_iota(jnp.int32, s_ring.shape, 1), length, w)
-    draft_rank = w + lax.broadcasted_iota(jnp.int32, s_draft.shape, 1)  # padding columns: -inf, past W + K
+    ring_rank = lax.broadcasted_iota(jnp.int32, s_ring.shape, 1)  # a ring slot's rank is its slot index
+    draft_rank = draft_key_rank(lax.broadcasted_iota(jnp.int32, s_draft.shape, 1), length, w)  # padding: -inf
     o = blocked_softmax_values([(s_ring, ring, ring_rank), (s_draft, draft, draft_rank)], sink_ref[...], dot,
-                               num_keys=w + num_draft, round_probs=fast)
-    o_ref[...] = o.astype(o_ref.dtype)
+                               num_keys=w + num_draft,
+                               round_probs=_bf16_rounding(q.dtype, ring.dtype, draft.dtype, fusion_proof=interpret))
+    o_ref[...] = to_dtype(o, o_ref.dtype) if interpret else o.astype(o_ref.dtype)
 
 
 def window_attention_pallas(q: jax.Array, ring_kv: jax.Array, ring_len: jax.Array, draft_kv: jax.Array,
@@ -240,7 +254,7 @@ def window_attention_pallas(q: jax.Array, ring_kv: jax.Array, ring_len: jax.Arra
     sink_rows = jnp.tile(sink.astype(jnp.float32), k).reshape(rows, 1)
 
     kernel = functools.partial(_kernel, scale=float(scale), num_draft=k,
-                               fast=_fast_path(q.dtype, ring_kv.dtype, draft.dtype))
+                               fast=_fast_path(q.dtype, ring_kv.dtype, draft.dtype), interpret=bool(interpret))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(b, rows // tq),

@@ -38,6 +38,7 @@ from dspark_jax.nn.mhc import MhcBlock, hc_pre, one_hot_pre
 from dspark_jax.nn.moe import MoE, swiglu_mlp
 from dspark_jax.nn.norm import RMSNorm, rms_norm
 from dspark_jax.nn.params import fan_in_normal, param
+from dspark_jax.nn.rounding import to_dtype
 from dspark_jax.validation import (SCORE_FUNCS, ConfigError, check_field, did_you_mean, is_int, is_number,
                                    read_json_config)
 
@@ -223,7 +224,7 @@ class _Layer(MhcBlock):
 
 def stream_mean(streams: jax.Array) -> jax.Array:
     """The tap feature of an mHC residual [.., hc, D]: the plain mean over streams (f32, back in dtype)."""
-    return jnp.mean(streams.astype(jnp.float32), axis=-2).astype(streams.dtype)
+    return to_dtype(jnp.mean(streams.astype(jnp.float32), axis=-2), streams.dtype)
 
 
 class _Mhc(nn.Module):

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from dspark_jax import sampling
 from dspark_jax.kernels.markov_sampler import markov_sample
 from dspark_jax.nn.params import param
+from dspark_jax.nn.rounding import to_dtype
 from dspark_jax.validation import MARKOV_HEAD_TYPES, is_markov_head_type
 
 HEAD_TYPES = MARKOV_HEAD_TYPES
@@ -132,7 +133,7 @@ def _linear(x: jax.Array, layer: dict, cd) -> jax.Array:
     acc = _acc_dtype(cd)
     y = jnp.einsum("...i,io->...o", x.astype(cd), layer["kernel"].astype(cd), precision=_HIGHEST,
                    preferred_element_type=acc)
-    return (y + layer["bias"].astype(acc)).astype(cd)
+    return to_dtype(y + layer["bias"].astype(acc), cd)
 
 
 def initial_state(head_type: str, params: dict, batch_shape: tuple[int, ...], compute_dtype=jnp.float32):
@@ -172,7 +173,7 @@ def project(params: dict, z: jax.Array, *, compute_dtype=jnp.float32) -> jax.Arr
     acc = _acc_dtype(cd)
     bias = jnp.einsum("...r,vr->...v", z.astype(cd), params["head"].astype(cd), precision=_HIGHEST,
                       preferred_element_type=acc)
-    return bias.astype(cd).astype(acc)
+    return to_dtype(bias, cd).astype(acc)  # a rounding point that survives fusion (nn.rounding)
 
 
 def slot_bias(head_type: str, params: dict, prev_emb: jax.Array, hidden: jax.Array | None, state=None, *,

@@ -26,6 +26,7 @@ from dspark_jax.nn.norm import RMSNorm
 from dspark_jax.nn.params import fan_in_normal, param
 from dspark_jax.nn.quant import fp8_quant_dequant
 from dspark_jax.nn.rope import apply_rope_interleaved
+from dspark_jax.nn.rounding import to_dtype
 
 
 class KeySegment(NamedTuple):
@@ -79,7 +80,7 @@ def grouped_query_attention(q: jax.Array, segments, *, scale: float, sink: jax.A
         n = v_SKD.shape[-3]
         o_TKGD = o_TKGD + jnp.einsum("...kgts,...skd->...tkgd", p_KGTS[..., start:start + n], v_SKD, precision=hi)
         start += n
-    return o_TKGD.reshape(*lead, t, h, hd).astype(q.dtype)
+    return to_dtype(o_TKGD.reshape(*lead, t, h, hd), q.dtype)
 
 
 def _seen_keys(visible: jax.Array, key_lead: tuple[int, ...]) -> jax.Array:
@@ -95,7 +96,7 @@ def grouped_out_proj(o: jax.Array, wo_a: jax.Array, compute_dtype) -> jax.Array:
     g = wo_a.shape[0]
     og = o.reshape(*o.shape[:-1], g, o.shape[-1] // g).astype(compute_dtype)
     y = mixed_einsum("...gi,gio->...go", og, wo_a.astype(compute_dtype))  # bf16 out per group (SPEC 2.9)
-    return y.reshape(*o.shape[:-1], -1).astype(compute_dtype)
+    return to_dtype(y.reshape(*o.shape[:-1], -1), compute_dtype)
 
 
 class WindowAttention(nn.Module):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from dspark_jax.nn.packed import as_compute
 from dspark_jax.nn.params import fan_in_normal, param
 from dspark_jax.nn.quant import fp8_quant_dequant
+from dspark_jax.nn.rounding import to_dtype
 
 
 def mixed_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -45,7 +46,7 @@ def linear(x: jax.Array, kernel: jax.Array, compute_dtype, act_fp8: bool = False
     x = x.astype(cd)
     if act_fp8:
         x = fp8_quant_dequant(x, grad=fp8_grad)
-    return mixed_einsum("...i,io->...o", x, as_compute(kernel, cd)).astype(cd)
+    return to_dtype(mixed_einsum("...i,io->...o", x, as_compute(kernel, cd)), cd)
 
 
 class Linear(nn.Module):

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from dspark_jax.nn.norm import RMSNorm
 from dspark_jax.nn.params import param
+from dspark_jax.nn.rounding import to_dtype
 
 
 def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
@@ -59,14 +60,14 @@ def hc_pre(streams: jax.Array, pre: jax.Array) -> jax.Array:
     """Collapse: sum_i pre[i] * X_i (f32), back in the streams' dtype. [.., hc, D] -> [.., D]."""
     y = jnp.einsum("...i,...id->...d", pre.astype(jnp.float32), streams.astype(jnp.float32),
                    precision="highest")
-    return y.astype(streams.dtype)
+    return to_dtype(y, streams.dtype)
 
 
 def hc_post(y: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
     """Expand: Y_j = post[j] * y + sum_i comb[i, j] * X_i. [.., D], [.., hc, D] -> [.., hc, D]."""
     mixed = jnp.einsum("...ij,...id->...jd", comb, streams.astype(jnp.float32), precision="highest")
     out = post[..., :, None] * y.astype(jnp.float32)[..., None, :] + mixed
-    return out.astype(streams.dtype)
+    return to_dtype(out, streams.dtype)
 
 
 def one_hot_pre(hc: int, lead_shape: tuple[int, ...]) -> jax.Array:

@@ -19,6 +19,7 @@ from dspark_jax.nn.linear import mixed_einsum
 from dspark_jax.nn.packed import as_compute
 from dspark_jax.nn.params import fan_in_normal, param
 from dspark_jax.nn.quant import fp8_quant_dequant
+from dspark_jax.nn.rounding import to_dtype
 
 
 def gate_scores(x: jax.Array, gate_kernel: jax.Array, score_func: str = "sqrtsoftplus") -> jax.Array:
@@ -65,8 +66,8 @@ def _expert_hidden(xa: jax.Array, w1: jax.Array, w3: jax.Array, spec: str, limit
     """swiglu(w1 xa, w3 xa) in f32 from the bf16 outputs of the two linears (SPEC 2.9); `xa` is the input
     already in the weights' dtype and, in fp8 mode, rounded (`_act`)."""
     cd = w1.dtype
-    g = mixed_einsum(spec, xa, w1).astype(cd)
-    u = mixed_einsum(spec, xa, w3).astype(cd)
+    g = to_dtype(mixed_einsum(spec, xa, w1), cd)
+    u = to_dtype(mixed_einsum(spec, xa, w3), cd)
     return clamped_swiglu(g, u, limit)
 
 
@@ -81,8 +82,8 @@ def swiglu_mlp(x: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array, *, lim
     h = _expert_hidden(_act(x.astype(cd), act_fp8, fp8_grad), w1, w3, "...d,di->...i", limit)
     if weight is not None:  # routing weight is applied BEFORE w2, as the reference does
         h = h * weight[..., None]
-    h = _act(h.astype(cd), act_fp8, fp8_grad)
-    return mixed_einsum("...i,id->...d", h, w2).astype(cd)
+    h = _act(to_dtype(h, cd), act_fp8, fp8_grad)
+    return to_dtype(mixed_einsum("...i,id->...d", h, w2), cd)
 
 
 def moe_ffn(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: dict, shared: dict | None, *,
@@ -105,13 +106,13 @@ def moe_ffn(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: dict, sha
     xa = _act(x.astype(cd), act_fp8, fp8_grad)
     h = _expert_hidden(jnp.broadcast_to(xa, (n_experts, *xa.shape)), experts["w1"], experts["w3"], "end,edi->eni",
                        limit)
-    h = _act((h * combine.T[..., None]).astype(cd), act_fp8, fp8_grad)
-    per_expert = mixed_einsum("eni,eid->end", h, experts["w2"]).astype(cd)  # [E, N, D]
+    h = _act(to_dtype(h * combine.T[..., None], cd), act_fp8, fp8_grad)
+    per_expert = to_dtype(mixed_einsum("eni,eid->end", h, experts["w2"]), cd)  # [E, N, D]
     y = jnp.sum(per_expert.astype(jnp.float32), axis=0)
     if shared is not None:
         y = y + swiglu_mlp(x, shared["w1"], shared["w3"], shared["w2"], limit=limit, act_fp8=act_fp8,
                            fp8_grad=fp8_grad).astype(jnp.float32)
-    return y.astype(cd)
+    return to_dtype(y, cd)
 
 
 class MoE(nn.Module):

@@ -7,13 +7,14 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.nn.params import param
+from dspark_jax.nn.rounding import to_dtype
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """x * rsqrt(mean(x^2) + eps) * scale over the last axis, statistics in f32, result in x.dtype."""
     xf = x.astype(jnp.float32)
     normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+    return to_dtype(normed * scale.astype(jnp.float32), x.dtype)
 
 
 class RMSNorm(nn.Module):

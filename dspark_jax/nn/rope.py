@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from dspark_jax.nn.rounding import to_dtype
 
 
 def rope_frequencies(rope_dim: int, theta: float) -> jax.Array:
@@ -36,7 +37,7 @@ def apply_rope_interleaved(x: jax.Array, positions: jax.Array, *, theta: float, 
     pairs = rot.astype(jnp.float32).reshape(*rot.shape[:-1], rope_dim // 2, 2)
     re, im = pairs[..., 0], pairs[..., 1]
     out = jnp.stack([re * cos - im * sin, re * sin + im * cos], axis=-1).reshape(rot.shape)
-    return jnp.concatenate([nope, out.astype(x.dtype)], axis=-1)
+    return jnp.concatenate([nope, to_dtype(out, x.dtype)], axis=-1)
 
 
 def apply_rope_split_half(x: jax.Array, positions: jax.Array, *, theta: float) -> jax.Array:
@@ -47,4 +48,4 @@ def apply_rope_split_half(x: jax.Array, positions: jax.Array, *, theta: float) -
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return to_dtype(jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1), x.dtype)

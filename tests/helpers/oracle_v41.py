@@ -27,11 +27,12 @@ the fp8 QDQ of every KV row after RoPE. Both are independent of `numerics`.
 Decisions where SPEC leaves room (each is a bf16-rounding-level choice; at fp8 one of them can move the
 logits by ~0.2 on this kind of tiny config, so they matter for a bit-level comparison):
   * the order of the context keys (it fixes which keys share a 64-key softmax block): `key_layout`,
-    see `ring_key_order`. Default "chrono", the window index list of V4's `get_window_topk_idxs`
-    (a full ring oldest first; a partial one in slot order padded with masked places up to W), which the
-    sparse_attn kernel walks in blocks of 64 with the -1 entries masked in place. SPEC 2.5 ("ring (valid
-    slots) ; K draft rows") also reads as "compact" (valid slots only, slot order) or "padded" (slot
-    order, masked places): all three give the same keys, and differ at the bf16-rounding level only;
+    see `ring_key_order`. Default "compact", the draft's own index list (official
+    `get_dspark_topk_idxs`, SPEC 2.5): `cat(arange(min(W, p+1)), W + arange(K))`, the valid ring slots in
+    SLOT order, then the K draft rows, walked by the sparse_attn kernel in blocks of 64. "chrono" is the
+    main model's `get_window_topk_idxs` (a full ring oldest first; a partial one padded with -1 places up
+    to W), which the draft does not use; "padded" is slot order with masked places up to W. All three give
+    the same keys and differ at the bf16-rounding level only (at fp8 up to ~0.3 in the logits);
   * the online-softmax running sum adds the f32 probabilities (only the copy that multiplies V is
     rounded to bf16); the block's probabilities are exp(s - running max including this block);
   * the routing weights stay f32 (not rounded to bf16) and multiply silu(g) * u in f32;
@@ -43,7 +44,6 @@ logits by ~0.2 on this kind of tiny config, so they matter for a bit-level compa
     (a c - b s, a s + b c) in f32 (no FMA);
   * exp / sigmoid / silu / sqrt are numpy's float32 functions (1-ulp differences from torch's are
     possible; they are below every rounding point and only matter through rare bf16 flips);
-  * a ring with length == 1 uses the same "chrono" rule (V4's prefill branch would give one index).
 """
 
 from __future__ import annotations
@@ -358,13 +358,14 @@ def context_rows(tensors, cfg, main_hidden, positions, *, numerics="bf16", act_f
 KEY_LAYOUTS = ("chrono", "padded", "compact")
 
 
-def ring_key_order(window: int, length: int, key_layout: str = "chrono"):
+def ring_key_order(window: int, length: int, key_layout: str = "compact"):
     """(ring slot of each context key, valid mask or None): the order in which the ring rows enter the key
     list (the K draft rows follow), which fixes the 64-key blocks of the online softmax.
-      "chrono"  as V4's `get_window_topk_idxs`: a full ring oldest first (slots (length + i) % W), a partial
-                one slots 0..length-1 then W - length masked places (-1 indices) (the default);
-      "padded"  all W slots in slot order, the invalid ones masked in place;
-      "compact" the valid slots in slot order, nothing else.
+      "compact" the valid slots in slot order, nothing else: the draft's index list `get_dspark_topk_idxs`
+                (SPEC 2.5; the default);
+      "chrono"  the main model's `get_window_topk_idxs`: a full ring oldest first (slots (length + i) % W), a
+                partial one slots 0..length-1 then W - length masked places (-1 indices);
+      "padded"  all W slots in slot order, the invalid ones masked in place.
     "compact" differs from the others while length < W, "chrono" from the others once length > W."""
     n_valid = min(window, length)
     if key_layout == "compact":
@@ -379,7 +380,7 @@ def ring_key_order(window: int, length: int, key_layout: str = "chrono"):
 
 
 def draft_hidden(tensors, cfg, ring, length, anchor, *, numerics="bf16", act_fp8=None, kv_fp8=None,
-                 jitter=None, key_layout="chrono", diag: dict | None = None):
+                 jitter=None, key_layout="compact", diag: dict | None = None):
     """The parallel body: -> (h [K, D] collapsed pre-norm hidden, U f32/f64 [K, V] base logits)."""
     num = _num(cfg, numerics, act_fp8, kv_fp8, jitter)
     k, hc = int(_get(cfg, "block_size")), int(_get(cfg, "hc_mult"))
@@ -406,7 +407,7 @@ def draft_hidden(tensors, cfg, ring, length, anchor, *, numerics="bf16", act_fp8
 
 
 def propose_greedy(tensors, cfg, ring, length, anchor, *, numerics="bf16", act_fp8=None, kv_fp8=None,
-                   jitter=None, key_layout="chrono", diag: dict | None = None):
+                   jitter=None, key_layout="compact", diag: dict | None = None):
     """One draft block at T = 0 -> (biased logits [K, V], tokens i64[K], confidence logits [K]).
 
     ring [S, W, hd] holds the context row of position p at slot p % W; `length` = p + 1 rows written;
@@ -447,7 +448,7 @@ def propose_greedy(tensors, cfg, ring, length, anchor, *, numerics="bf16", act_f
 class Ring:
     """The oracle's own per-request context ring: write rows at slot p % W."""
 
-    def __init__(self, tensors, cfg, key_layout="chrono", **numerics):
+    def __init__(self, tensors, cfg, key_layout="compact", **numerics):
         self.tensors, self.cfg, self.kw, self.key_layout = tensors, cfg, numerics, key_layout
         s, w, hd = n_stages(tensors), int(_get(cfg, "window")), int(_get(cfg, "head_dim"))
         dt = {"f64": np.float64, "f32": np.float32}.get(numerics.get("numerics", "bf16"), BF16)
