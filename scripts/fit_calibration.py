@@ -29,6 +29,7 @@ def main(argv=None) -> int:
     from dspark_jax.bundle import load_bundle
     from dspark_jax.calibration import fit_sts
     from dspark_jax.evaluation import load_variant, make_requests, read_prompts, recording_engine, with_temperatures
+    from dspark_jax.serve.compiling import release_programs
     from dspark_jax.serve.engine import EngineConfig
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -69,6 +70,8 @@ def main(argv=None) -> int:
                          "ece_after": cal.ece_after}
         print(f"{name}: {len(z)} rounds, tau {engine.metrics.tau:.3f}, ECE {cal.ece_before:.4f} -> "
               f"{cal.ece_after:.4f} (in-sample), T = {np.round(cal.temperatures, 3).tolist()} -> {out}", flush=True)
+        del engine  # each variant's engine compiled its whole program set (XLA:CPU memory maps)
+        release_programs()
     text = json.dumps(summary, indent=2) + "\n"
     (ROOT / args.records_dir / "calibration_summary.json").write_text(text)
     if (ROOT / args.bundle / "logs").is_dir():  # the bundle's own record of how it was calibrated

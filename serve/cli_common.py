@@ -18,6 +18,18 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--impl", default="auto", choices=("auto", "pallas", "xla"), help="kernel dispatch")
 
 
+def add_compile_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compile", default=None, choices=("eager", "background", "lazy"),
+                        help="when the engine's programs compile: all before the first request (eager, the "
+                             "default: no later request waits for a compile), in the background while serving "
+                             "with what is compiled (background), each on first use (lazy)")
+
+
+def compile_option(args) -> dict:
+    """EngineConfig keyword for --compile (none given: the engine's default policy)."""
+    return {} if args.compile is None else {"compile": args.compile}
+
+
 def default_bundle_path() -> Path | None:
     return assets.default_bundle_path()
 

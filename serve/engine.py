@@ -58,6 +58,7 @@ from tqdm.auto import tqdm
 from dspark_jax import spec_round as sr
 from dspark_jax.errors import UserError
 from dspark_jax.schedule import CostTable, width_buckets
+from dspark_jax.serve import compiling
 from dspark_jax.serve import decode_state as ds
 from dspark_jax.serve.request_check import Request, RequestError, check_request  # noqa: F401 (re-exported)
 from dspark_jax.validation import ConfigError
@@ -124,6 +125,9 @@ class EngineConfig:
     # Plain steps of a speculative engine whose draft ingest waits for one batched catch-up (0: ingest in
     # every step, 16-29% of a plain step at the embedded sizes). Costs slots x this x taps memory.
     max_deferred_ingest: int = 32
+    # When the programs compile: "eager" (all before the first dispatch), "background" or "lazy" (on first
+    # dispatch). See serve/compiling.py; the default is $DSPARK_COMPILE, else "eager".
+    compile: str = dataclasses.field(default_factory=compiling.default_policy)
 
     def __post_init__(self):
         # Types first (a str or float count would fail later inside a compile; bools are not counts;
@@ -136,6 +140,7 @@ class EngineConfig:
             return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
         check(self.mode in MODES, "mode", f"one of {MODES}")
+        check(self.compile in compiling.POLICIES, "compile", f"one of {compiling.POLICIES}")
         for name, least in (("max_slots", 1), ("max_len", 2), ("min_prompt_bucket", 1), ("max_stop_tokens", 1),
                             ("rounds_per_call", 1), ("max_deferred_ingest", 0)):
             check(is_int(getattr(self, name)) and getattr(self, name) >= least, name, f"an integer >= {least}")
@@ -294,6 +299,11 @@ class Engine:
         self._probe_floor = probe_interval_floor(cost_table, config.max_slots, self.k)
         self._probe_every = self._probe_floor
         self._deferred = 0  # plain steps dispatched since the draft last caught up (a bound for every row)
+        self._compiled: set[tuple] = set()  # program keys compiled (ahead of time) or dispatched
+        self._policy = config.compile  # "lazy" once the set cannot fit (`_start_compiling`)
+        self._started = False  # the policy's work began (at the first step with work)
+        self._background: compiling.BackgroundCompiler | None = None
+        self._state_shapes = None  # the state's shapes and shardings: what ahead-of-time compiles read
 
     # ---- requests -----------------------------------------------------------------------------
     def validate(self, req: Request) -> Request:
@@ -323,7 +333,7 @@ class Engine:
         if self._owner[live.slot] == rid:
             rows = np.zeros(self.config.max_slots, bool)
             rows[live.slot] = True
-            self._state = ds.EVICT(self._state, jax.device_put(rows))
+            self._execute(("evict",), rows=rows)
             self._owner[live.slot] = None
         live.result.finish_reason = "cancelled"
         self._events.append(Event(rid, live.request.id, [], "cancelled", result=live.result))
@@ -366,10 +376,11 @@ class Engine:
         -> the events the read produced (token deltas and finishes)."""
         t0 = time.perf_counter()
         events, self._events = self._events, []
-        # The mesh is the context of every trace: the Pallas kernels run inside shard_map over it.
-        with jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext():
+        with self._mesh_context():
             if self._state is None:
                 self._state = self._allocate()
+            if not self._started and (self._queue or self._live):
+                self._start_compiling()
             self._admit_waiting()
             dispatched = self._dispatch_round()
             waited = 0.0
@@ -379,55 +390,140 @@ class Engine:
         return events
 
     def warm_up(self, *, progress: bool = False) -> int:
-        """Run every program this engine can dispatch once, on an empty state, so that no request ever
-        waits for a compile (a server is ready only after this). -> how many programs ran. Only
-        call it while idle; the state is freshly allocated afterwards."""
+        """Compile every program this engine can dispatch that is not compiled yet (ahead of time, in
+        parallel; nothing runs), so that no request ever waits for a compile (a server is ready only
+        after this). -> how many programs the engine has. Only call it while idle."""
         if not self.idle:
             raise RuntimeError("warm_up: the engine is serving requests")
-        self._state = self._allocate()
-        programs = self._programs()
-        for run in tqdm(programs, desc="compile", unit="program", disable=not progress):
-            run()
-        jax.block_until_ready(self._state)
-        self._state = self._allocate()  # rounds on empty rows still wrote their caches
-        return len(programs)
+        with self._mesh_context():
+            if self._state is None:
+                self._state = self._allocate()
+            self._compile_missing(progress)
+        return len(self.programs())
 
-    def _programs(self) -> list:
-        """One closure per compiled variant the dispatcher can pick (static arguments: admit's J x P
-        buckets, plain and speculative rounds per call, verify widths, filtering, catch-up widths)."""
+    # ---- the programs -------------------------------------------------------------------------
+    # A program is named by a key; `_call(key)` gives the jitted function and its arguments, and both the
+    # dispatcher (`_execute`) and the compilers (`_compile`) go through it, so a program compiled ahead of
+    # time is exactly the one dispatched later (JAX's jit cache then serves the call without a compile).
+    #   ("admit", J, P)                 J joining rows (padded), prompts padded to P
+    #   ("plain", rounds, ingest_draft)
+    #   ("spec", rounds, width, mode, filtering)
+    #   ("catch_up", width)
+    #   ("evict",)
+    def programs(self) -> list[tuple]:
+        """Every program the dispatcher can pick, in the order a first request needs them (admits by
+        size, the plain steps, catch-ups, then the speculative rounds narrow to wide)."""
         cfg = self.config
         calls = sorted({1, cfg.rounds_per_call})
-        out = [functools.partial(self._warm_admit, j, length) for j, length in self._admit_buckets()]
-
+        out = [("admit", j, p) for j, p in self._admit_buckets()]
         if cfg.mode == "plain":
-            return out + [functools.partial(self._run_plain, r, False) for r in calls]
-        deferring = bool(cfg.max_deferred_ingest)
-        out += [functools.partial(self._run_plain, r, deferring) for r in calls]
+            return out + [("plain", r, False) for r in calls] + [("evict",)]
+        # A speculative engine's plain steps keep the draft's context (into the deferral buffer, or now).
+        out += [("plain", r, True) for r in calls]
+        if cfg.max_deferred_ingest:
+            out += [("catch_up", w) for w in sorted({self._catch_up_width(n)
+                                                      for n in range(1, cfg.max_deferred_ingest + 1)})]
         modes = {"off": [("fixed", calls)], "fixed": [("fixed", calls)], "sync": [("sync", calls)],
-                 "async": [("async", calls), ("fixed", [1])]}[cfg.mode]  # async probes: one fixed round
-        out += [functools.partial(self._run_spec, r, w, m, f) for m, rs in modes for r in rs for w in self.width_buckets
-                for f in (False, True)]
-        if deferring:
-            widths = sorted({self._catch_up_width(n) for n in range(1, cfg.max_deferred_ingest + 1)})
-            out += [functools.partial(self._run_catch_up, w) for w in widths]
-        return out
+                 "async": [("fixed", [1]), ("async", calls)]}[cfg.mode]  # async probes: one fixed round
+        out += [("spec", r, w, m, f) for f in (False, True) for m, rs in modes for w in self.width_buckets for r in rs]
+        return out + [("evict",)]
 
     def _admit_buckets(self) -> list[tuple[int, int]]:
-        """(joining rows, a prompt length) for each distinct padded admit shape."""
+        """(joining rows J, padded prompt length P) of each admit shape."""
         cfg = self.config
         rows = sorted({ds.pow2_at_least(n) for n in range(1, cfg.max_slots + 1)})
-        by_shape = {}
-        for length in range(1, cfg.max_len - 1):
-            by_shape.setdefault(ds.prompt_bucket(length, cfg.max_len, cfg.min_prompt_bucket), length)
-        return [(j, length) for j in rows for length in by_shape.values()]
+        lengths = sorted({ds.prompt_bucket(n, cfg.max_len, cfg.min_prompt_bucket) for n in range(1, cfg.max_len - 1)})
+        return [(j, p) for j in rows for p in lengths]
 
-    def _warm_admit(self, joining: int, length: int) -> None:
+    def _joining(self, slots, requests) -> ds.Joining:
         cfg = self.config
-        # Every row points at slot max_slots, the padding slot: the device drops them, no slot changes.
-        dummy = Request([0] * length, max_tokens=1)
-        rows = ds.joining_rows([cfg.max_slots] * joining, [dummy.prompt] * joining, [dummy] * joining,
-                               cfg.max_slots, cfg.max_len, cfg.max_stop_tokens, cfg.min_prompt_bucket)
-        self._state, _ = ds.ADMIT(self.model, self.weights, self._state, jax.device_put(rows), max_len=cfg.max_len)
+        return ds.joining_rows(slots, [list(r.prompt) for r in requests], requests, cfg.max_slots, cfg.max_len,
+                               cfg.max_stop_tokens, cfg.min_prompt_bucket)
+
+    def _call(self, key: tuple, state=None, rows=None):
+        """-> (jitted function, args, kwargs) of program `key` on `state` (default: the engine's); `rows`
+        is an admit's Joining or an evict's bool[slots] (default: a stand-in of the right shape)."""
+        cfg = self.config
+        state = self._state if state is None else state
+        kind = key[0]
+        if kind == "admit":
+            if rows is None:  # a stand-in of the bucket's shape: every row points at the padding slot
+                _, j, p = key
+                dummy = Request([0] * p, max_tokens=1)
+                rows = self._joining([cfg.max_slots] * j, [dummy] * j)
+            return ds.ADMIT, (self.model, self.weights, state, jax.device_put(rows)), {"max_len": cfg.max_len}
+        if kind == "plain":
+            _, rounds, ingest = key
+            return ds.PLAIN_ROUNDS, (self.model, self.weights, state), dict(rounds=rounds, max_len=cfg.max_len,
+                                                                            ingest_draft=ingest)
+        if kind == "spec":
+            _, rounds, width, mode, filtering = key
+            return ds.SPEC_ROUNDS, (self.model, self.weights, state, self.cost_table), dict(
+                rounds=rounds, max_len=cfg.max_len, width=width, mode=mode, num_verify=self._num_verify(mode),
+                min_gain=cfg.min_gain, filtering=filtering)
+        if kind == "catch_up":
+            return ds.CATCH_UP, (self.model, self.weights, state), {"width": key[1]}
+        if kind == "evict":
+            rows = np.zeros(cfg.max_slots, bool) if rows is None else rows
+            return ds.EVICT, (state, jax.device_put(rows)), {}
+        raise ValueError(f"unknown program {key!r}")
+
+    def _execute(self, key: tuple, rows=None):
+        """Dispatch program `key` on the engine's state; -> its output besides the new state."""
+        fn, args, kwargs = self._call(key, rows=rows)
+        self._compiled.add(key)  # compiled now if it was not (lazy, or a program the dispatcher needed)
+        out = fn(*args, **kwargs)
+        if key[0] in ("evict", "catch_up"):
+            self._state = out
+            return None
+        self._state, delta = out
+        return delta
+
+    def _compile(self, key: tuple) -> None:
+        """Compile program `key` ahead of time (nothing runs). The state's shapes stand in for the state,
+        which the dispatcher may be donating meanwhile."""
+        with self._mesh_context():
+            fn, args, kwargs = self._call(key, state=self._state_shapes)
+            fn.lower(*args, **kwargs).compile()
+        self._compiled.add(key)
+
+    def _compile_missing(self, progress: bool) -> None:
+        missing = [k for k in self.programs() if k not in self._compiled]
+        bar = tqdm(total=len(missing), desc="compile", unit="program", disable=not progress or not missing)
+        compiling.compile_all(missing, self._compile, progress=bar.update)
+        bar.close()
+
+    def _start_compiling(self) -> None:
+        """At the first dispatch: the compile policy's work (serve/compiling.py)."""
+        self._started = True
+        policy = self._policy
+        if policy != "lazy" and not compiling.fits_in_memory_maps(len(self.programs()) - len(self._compiled)):
+            # Several engines' full program sets in one process (benches, demos): XLA:CPU would abort.
+            warnings.warn(f"compile policy {policy!r}: this engine's {len(self.programs())} programs would not fit "
+                          "in the process's memory maps (vm.max_map_count) beside the programs compiled so far; "
+                          "compiling each on first use instead (call jax.clear_caches() between engines)",
+                          RuntimeWarning, stacklevel=3)
+            self._policy = policy = "lazy"
+        if policy == "eager":
+            self._compile_missing(self.config.progress)
+        elif policy == "background":
+            self._background = compiling.BackgroundCompiler(self.programs(), self._compile,
+                                                            done=self._compiled.__contains__)
+
+    def _ready(self, key: tuple) -> bool:
+        """Whether dispatching `key` now costs no compile (always "yes" for the lazy policy, which accepts
+        the compile)."""
+        return self._policy == "lazy" or key in self._compiled
+
+    def close(self, wait: bool = True) -> None:
+        """Stop a background compiler at its next program (`wait`: until it has; the engine stays usable:
+        what is missing then compiles on dispatch)."""
+        if self._background is not None:
+            self._background.stop(wait=wait)
+
+    def _mesh_context(self):
+        # The mesh is the context of every trace: the Pallas kernels run inside shard_map over it.
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def _allocate(self) -> ds.DecodeState:
         cfg = self.config
@@ -435,6 +531,12 @@ class Engine:
         state = ds.init(self.model, cfg.max_slots, cfg.max_len, cfg.max_stop_tokens, deferred)
         if self.mesh is not None:
             state = jax.device_put(state, ds.state_shardings(self.model, state, cfg.max_len, self.mesh))
+        # What an ahead-of-time compile must match for the call to hit the same executable: the dtypes with
+        # weak_type, and the sharding only when the state is placed on a mesh (committed arrays). An
+        # uncommitted state's call leaves the sharding unspecified; naming it at lowering is another program.
+        placed = self.mesh is not None
+        self._state_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=x.sharding if placed else None, weak_type=x.weak_type), state)
         return state
 
     def stream(self) -> Iterator[Event]:
@@ -497,12 +599,8 @@ class Engine:
             # positions (admit resets them). A fresh start also serves the same requests the same way
             # as the previous time, so the programs it runs are the ones already compiled.
             self._capacity, self._plain_run, self._deferred = None, 0, 0
-        cfg = self.config
-        rows = ds.joining_rows([lv.slot for lv in joining], [list(lv.request.prompt) for lv in joining],
-                               [lv.request for lv in joining], cfg.max_slots, cfg.max_len, cfg.max_stop_tokens,
-                               cfg.min_prompt_bucket)
-        self._state, delta = ds.ADMIT(self.model, self.weights, self._state, jax.device_put(rows),
-                                      max_len=cfg.max_len)
+        rows = self._joining([lv.slot for lv in joining], [lv.request for lv in joining])
+        delta = self._execute(("admit", *rows.prompt.shape), rows=rows)  # waits for its compile if need be
         self._push("admit", jax.tree.map(lambda x: x[None], delta), 1, [lv.id for lv in joining])
 
     # ---- rounds -------------------------------------------------------------------------------
@@ -533,20 +631,41 @@ class Engine:
                                       or (self._capacity == 0 and self._plain_run >= self._probe_every))
             most = most if probe else min(most, self._capacity or 0)
             rounds = 1 if probe or awaiting else rounds  # awaiting: one plain step, then the answer is read
-            self._probe_pending = self._probe_pending or probe
-        if most == 0 and not probe:
-            # Nothing to verify: the plain step program (a width-1 round's tokens, without the draft's
-            # cost); the draft ingests the new positions later, in one catch-up.
-            self._dispatch_plain(rounds, ingest_draft=True)
-            self._plain_run += rounds
+        key = None
+        if most > 0 or probe:
+            width = next(w for w in self.width_buckets if w >= 1 + most)
+            mode = "fixed" if cfg.mode in ("off", "fixed") or probe else cfg.mode
+            filtering = any(lv.request.top_k > 0 or lv.request.top_p < 1 for lv in running)
+            key = self._compiled_spec(("spec", rounds, width, mode, filtering))
+        if key is None:
+            # Nothing to verify (or, compiling in the background, no compiled program that can): the
+            # plain step program (a width-1 round's tokens, without the draft's cost); the draft ingests
+            # the new positions later, in one catch-up.
+            self._plain_run += self._dispatch_plain(rounds, ingest_draft=True)
             return True
+        self._probe_pending = self._probe_pending or probe
         self._plain_run = 0
         self._catch_up()
-        width = next(w for w in self.width_buckets if w >= 1 + most)
-        mode = "fixed" if cfg.mode in ("off", "fixed") or probe else cfg.mode
-        filtering = any(lv.request.top_k > 0 or lv.request.top_p < 1 for lv in running)
-        self._push("spec", self._run_spec(rounds, width, mode, filtering), rounds)
+        self._push("spec", self._execute(key), key[1])
         return True
+
+    def _compiled_spec(self, key: tuple) -> tuple | None:
+        """The speculative program to dispatch for `key` without waiting for a compile: `key`, else the same
+        round at a wider compiled width (the device clips every row to its cap: the same tokens), else one
+        round per call; None when none is compiled yet (then a plain step serves) or the draft's catch-up
+        is not compiled. The lazy policy takes `key` as it is."""
+        if self._ready(key):
+            return key if self._catch_up_ready() else None
+        _, rounds, width, mode, filtering = key
+        for r in sorted({rounds, 1}, reverse=True):
+            for w in self.width_buckets:
+                alt = ("spec", r, w, mode, filtering)
+                if w >= width and alt in self._compiled and self._catch_up_ready():
+                    return alt
+        return None
+
+    def _catch_up_ready(self) -> bool:
+        return not self._deferred or self._ready(("catch_up", self._catch_up_width(self._deferred)))
 
     def _num_verify(self, mode: str) -> int | None:
         """Drafts per row a "fixed" round verifies (the device clips to each row's cap and the width):
@@ -555,35 +674,23 @@ class Engine:
             return None
         return self.config.num_verify if self.config.mode == "fixed" else self.k
 
-    def _dispatch_plain(self, rounds: int, ingest_draft: bool) -> None:
+    def _dispatch_plain(self, rounds: int, ingest_draft: bool) -> int:
+        """-> the rounds dispatched."""
+        if not self._ready(("plain", rounds, ingest_draft)) and self._ready(("plain", 1, ingest_draft)):
+            rounds = 1  # compiling in the background: one round per call until the longer call is compiled
         if ingest_draft and self.config.max_deferred_ingest:
             if self._deferred + rounds > self.config.max_deferred_ingest:
                 self._catch_up()
             self._deferred += rounds
-        self._push("plain", self._run_plain(rounds, ingest_draft), rounds)
+        self._push("plain", self._execute(("plain", rounds, ingest_draft)), rounds)
+        return rounds
 
     def _catch_up(self) -> None:
         """The draft ingests the positions plain steps deferred (before it proposes or the buffer fills)."""
         if self._deferred:
             # Read only as many buffer rows as were written (a power of two: few programs).
-            self._run_catch_up(self._catch_up_width(self._deferred))
+            self._execute(("catch_up", self._catch_up_width(self._deferred)))
             self._deferred = 0
-
-    # The programs, one call each (the dispatcher and warm_up run exactly these).
-    def _run_spec(self, rounds: int, width: int, mode: str, filtering: bool) -> ds.Delta:
-        cfg = self.config
-        self._state, delta = ds.SPEC_ROUNDS(
-            self.model, self.weights, self._state, self.cost_table, rounds=rounds, max_len=cfg.max_len, width=width,
-            mode=mode, num_verify=self._num_verify(mode), min_gain=cfg.min_gain, filtering=filtering)
-        return delta
-
-    def _run_plain(self, rounds: int, ingest_draft: bool) -> ds.Delta:
-        self._state, delta = ds.PLAIN_ROUNDS(self.model, self.weights, self._state, rounds=rounds,
-                                             max_len=self.config.max_len, ingest_draft=ingest_draft)
-        return delta
-
-    def _run_catch_up(self, width: int) -> None:
-        self._state = ds.CATCH_UP(self.model, self.weights, self._state, width=width)
 
     def _catch_up_width(self, deferred: int) -> int:
         """Buffer rows a catch-up reads: as many as were written, as a power of two (few programs)."""

@@ -17,13 +17,14 @@ import json
 import sys
 
 from dspark_jax.errors import UserError
-from dspark_jax.serve.cli_common import add_model_arguments, load_model
+from dspark_jax.serve.cli_common import add_compile_argument, add_model_arguments, compile_option, load_model
 from dspark_jax.serve.request_check import PROMPT_LINE_KEYS, check_length_and_temperature, prompt_record
 from dspark_jax.validation import check_int_flags, flag_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    add_compile_argument(parser)
     parser.add_argument("--prompts", required=True, help="input JSONL")
     parser.add_argument("--out", default="-", help="output JSONL (default stdout)")
     parser.add_argument("--mode", default="off", choices=("off", "fixed", "sync", "async", "plain"))
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
             write(idx, idx, Result(idx, [], "error", err))
         engine = Engine(bundle.model, bundle.weights,
                         EngineConfig(max_slots=args.slots, max_len=args.max_len, mode=args.mode,
-                                     num_verify=args.num_verify),
+                                     num_verify=args.num_verify, **compile_option(args)),
                         cost_table=table, mesh=mesh)
         engine.generate(reqs, on_result=lambda i, r: write(*reqs[i].id, r))
     finally:

@@ -129,6 +129,7 @@ class EngineLoop:
         self._stop.set()  # the idle loop polls its commands every 50 ms and sees it
         if self._thread.is_alive():
             self._thread.join(timeout=10.0)
+        self.engine.close(wait=False)  # a background compiler stops at its next program
         return clean
 
     # ---- the loop thread ---------------------------------------------------------------------
@@ -159,7 +160,8 @@ class EngineLoop:
     def _warm_up(self) -> None:
         """Compile before the server says it is ready. "full": every program the engine can dispatch
         (no request ever waits for a compile; minutes on a CPU, see `--compile-cache`); "quick": what
-        one greedy and one sampled request run (the rest compile on first use)."""
+        one greedy and one sampled request run (the rest compile in the background while serving, policy
+        "background", see serve_cli.WARMUP_POLICY)."""
         if self._warmup == "full":
             self.engine.warm_up()
             return
@@ -169,6 +171,7 @@ class EngineLoop:
         try:
             self.engine.generate(reqs)
         finally:
+            self.engine.close(wait=False)  # its background compiler (--warmup quick): the new engine's takes over
             self.engine = self._make_engine()  # fresh metrics and state; the compiled programs stay cached
 
     def _take_commands(self, block: bool) -> None:
@@ -236,5 +239,6 @@ class EngineLoop:
         for ticket in held:
             self._finish(ticket, Event(ticket.engine_id, ticket.request.id, [], "error", message,
                                        Result(ticket.request.id, [], "error", message)))
+        self.engine.close(wait=False)
         self.engine = self._make_engine()
         self.stats.rebuilds += 1

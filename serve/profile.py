@@ -67,9 +67,11 @@ def profile_cost_table(model: sr.SpecModel, weights: sr.Weights, *, slots: int, 
     bar = tqdm(total=sweeps * len(widths), desc="profiling verify widths", disable=not progress)
     for _ in range(sweeps):
         for w in widths:
+            # "lazy": the profile runs one width per engine and warms up what it times itself; compiling
+            # every program of every one of these engines ahead of time would be all waste.
             engine = Engine(model, weights, EngineConfig(max_slots=slots, max_len=max_len, mode="fixed",
                                                          num_verify=w - 1, progress=False,
-                                                         rounds_per_call=per_call))
+                                                         rounds_per_call=per_call, compile="lazy"))
             seconds[w] = min(seconds[w], round_seconds(engine, requests, repeats=repeats))
             bar.update()
     bar.close()

@@ -34,8 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "on this machine and cached)")
     parser.add_argument("--model-name", default=None, help="the model id in responses (default: the bundle name)")
     parser.add_argument("--warmup", default="full", choices=("full", "quick", "none"),
-                        help="compile before /health says ready: every program (full), a greedy and a sampled "
-                             "request's (quick), nothing (none)")
+                        help="compile before /health says ready: every program (full; compile policy 'eager'), "
+                             "a greedy and a sampled request's, the rest in the background while serving (quick; "
+                             "'background'), nothing: each program compiles when first needed (none; 'lazy')")
     parser.add_argument("--compile-cache", default=None, metavar="DIR",
                         help="JAX's persistent compilation cache: a restart loads the programs instead of "
                              "compiling them")
@@ -52,6 +53,10 @@ def check_args(args) -> None:
     check_int_flags(args, "max_len", minimum=8)
     check_int_flags(args, "max_queue", "num_verify", minimum=0)
     check_number_flags(args, "grace")  # seconds; uvicorn's shutdown timeout is int(round(grace))
+
+
+# The engine's compile policy (serve/compiling.py) that goes with each --warmup.
+WARMUP_POLICY = {"full": "eager", "quick": "background", "none": "lazy"}
 
 
 def enable_compile_cache(directory: str) -> None:
@@ -100,7 +105,7 @@ def build_app(args):
     bundle = load_model(args)
     table = _cost_table(args, bundle)
     config = EngineConfig(max_slots=args.slots, max_len=args.max_len, mode=args.mode, num_verify=args.num_verify,
-                          progress=False)
+                          progress=False, compile=WARMUP_POLICY[args.warmup])
 
     def make_engine():
         return Engine(bundle.model, bundle.weights, config, cost_table=table)

@@ -15,6 +15,11 @@ from pathlib import Path
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
 
+# Engines compile each program when first dispatched: a test dispatches few of an engine's programs, and
+# compiling all of them ahead of time (the default policy, serve/compiling.py) would multiply the suite's
+# time. Tests of the compile policies name theirs. Subprocesses (the CLI tests) inherit it.
+os.environ.setdefault("DSPARK_COMPILE", "lazy")
+
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"

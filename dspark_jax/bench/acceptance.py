@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from dspark_jax.bundle import load_bundle  # noqa: PLC0415  (jax)
     from dspark_jax.evaluation import (default_dir, load_variant, make_requests,  # noqa: PLC0415  (jax)
                                        missing_default_message, read_prompts, recording_engine, timed_generate)
+    from dspark_jax.serve.compiling import release_programs  # noqa: PLC0415  (jax)
     from dspark_jax.serve.engine import EngineConfig  # noqa: PLC0415  (jax)
 
     path = args.bundle or default_dir()
@@ -129,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
             rows.append(row)
             print(f"  {name:9s} T={temp:g}: tau {m.tau:.3f} over {m.request_rounds} request-rounds "
                   f"({row['seconds']:.0f} s)", flush=True)
+        del engine  # each variant's engine compiled its whole program set (XLA:CPU memory maps)
+        release_programs()
 
     print_table(rows, args.max_tokens, len(prompts))
     if args.json:

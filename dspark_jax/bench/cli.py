@@ -16,6 +16,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("dspark_jax.bench.serve", "closed-loop concurrency sweep: plain, static verify lengths, sync, async"),
     "acceptance": ("dspark_jax.bench.acceptance", "tau and per-position acceptance of the embedded drafts"),
     "memory": ("dspark_jax.bench.memory", "device memory per chip of the serving programs on a TPU pod mesh"),
+    "compile": ("dspark_jax.bench.compile", "per-call wall time and compiles of successive generate calls; "
+                                            "first token and ready per compile policy"),
 }
 
 

@@ -37,6 +37,7 @@ from dspark_jax import spec_round as sr
 from dspark_jax.bench import peer as peer_lib
 from dspark_jax.serve import decode_state as ds
 from dspark_jax.serve.cli_common import add_model_arguments, load_model
+from dspark_jax.serve.compiling import count_compiles, release_programs
 from dspark_jax.serve.engine import Engine, EngineConfig, Metrics, Request
 from dspark_jax.serve.profile import profile_cost_table
 from dspark_jax.validation import check_int_flags, check_output_flags, int_list_flag
@@ -153,25 +154,23 @@ def fori_greedy(model: sr.SpecModel, weights: sr.Weights, prompts, new_tokens: i
     return np.asarray(toks), float(np.min(call_seconds(lambda: run(*args), 3, warmup=0)))
 
 
-def compiled_programs() -> int:
-    """How many programs the engine's jitted functions hold (a timed run should add none)."""
-    return sum(f._cache_size() for f in (ds.ADMIT, ds.SPEC_ROUNDS, ds.PLAIN_ROUNDS, ds.CATCH_UP, ds.EVICT))
-
-
 def timed_engine(model, weights, config: EngineConfig, requests, table=None, runs: int = 3):
     """Warm up an engine on the requests, then serve them `runs` more times: -> (results, Metrics of the
     fastest run; a shared CPU's slow spells move single runs by 20-40%)."""
     engine = Engine(model, weights, config, cost_table=table)
     engine.generate(requests)
-    best, compiled = None, compiled_programs()
-    for _ in range(runs):
-        engine.metrics = Metrics(engine.k)
-        results = engine.generate(requests)
-        if best is None or engine.metrics.wall_s < best[1].wall_s:
-            best = (results, engine.metrics)
-    if compiled_programs() != compiled:
-        print(f"WARNING: engine mode {config.mode!r} compiled {compiled_programs() - compiled} programs during its "
-              "timed runs", flush=True)
+    best = None
+    with count_compiles() as compiled:
+        for _ in range(runs):
+            engine.metrics = Metrics(engine.k)
+            results = engine.generate(requests)
+            if best is None or engine.metrics.wall_s < best[1].wall_s:
+                best = (results, engine.metrics)
+    if compiled["n"]:
+        print(f"WARNING: engine mode {config.mode!r} compiled {compiled['n']} programs during its timed runs",
+              flush=True)
+    del engine  # it compiled its whole program set: the next engine's must fit in the memory maps
+    release_programs()
     return best
 
 

@@ -16,7 +16,9 @@ from dspark_jax import spec_round as sr
 from dspark_jax.errors import UserError
 from dspark_jax.schedule import CostTable
 from dspark_jax.serve import decode_state as ds
+from dspark_jax.serve.compiling import count_compiles
 from dspark_jax.serve.engine import Engine, EngineConfig, Request
+from dspark_jax.validation import ConfigError
 
 MAXLEN = 200  # plain_greedy's cache length: the same compiled programs as test_spec_round
 
@@ -260,24 +262,127 @@ def test_engine_on_eight_devices_emits_the_one_device_tokens():
     assert eng.metrics.emitted == one_device.metrics.emitted and eng.metrics.rounds == one_device.metrics.rounds
 
 
-def _compiled():
-    return {name: getattr(ds, name)._cache_size() for name in ("ADMIT", "SPEC_ROUNDS", "PLAIN_ROUNDS", "CATCH_UP")}
+def _recording_dispatch(eng):
+    """Record the key of every program `eng` dispatches (serve/engine.py `_execute`)."""
+    seen, execute = [], eng._execute
+
+    def record(key, rows=None):
+        seen.append(key)
+        return execute(key, rows)
+
+    eng._execute = record
+    return seen
 
 
 @pytest.mark.slow  # ~40 programs to compile: minutes on 2 cores
 def test_warm_up_compiles_every_program_a_workload_can_dispatch():
     """After warm_up(), a varied workload (greedy and filtered sampling, joins of 1..3 rows, short and
     long prompts, budgets that end inside a multi-round call) compiles nothing new."""
-    eng = _engine(mode="off", slots=3)  # the programs of the tests above: only the missing ones compile
+    eng = _engine(mode="off", slots=3)
     n = eng.warm_up()
-    before = _compiled()
-    assert n == len(eng._programs()) and eng.idle
+    assert n == len(eng.programs()) and eng.idle
     rng = np.random.default_rng(0)
     reqs = [Request(list(rng.integers(1, 50, int(rng.integers(1, 150)))), max_tokens=int(rng.integers(1, 12)),
                     temperature=float(i % 2), top_k=5 * (i % 3 == 1), seed=i, id=i) for i in range(10)]
-    res = eng.generate(reqs[:1]) + eng.generate(reqs[1:3]) + eng.generate(reqs[3:])
+    with count_compiles() as c:
+        res = eng.generate(reqs[:1]) + eng.generate(reqs[1:3]) + eng.generate(reqs[3:])
     assert [r.finish_reason for r in res] == ["length"] * 10
-    assert _compiled() == before
+    assert c["n"] == 0
+
+
+def _width_visiting_requests():
+    """Budgets that end at every remainder (the host's bound on the drafts to verify, and so the verify
+    width, shrinks as a request nears its end), greedy and filtered sampling."""
+    return [Request(p, max_tokens=9 + i, temperature=float(i % 2), top_k=4 * (i % 2), seed=i, id=i)
+            for i, p in enumerate(prompts(6, seed=3))]
+
+
+def test_every_dispatched_program_is_in_the_known_set():
+    """What the eager and background policies compile ahead (`programs()`) covers what the dispatcher
+    picks: an async engine (lazy here, so only what runs compiles) visits every verify width, greedy and
+    filtered, probes, plain steps, catch-ups, admits and evicts, and every key it dispatched is listed."""
+    table = CostTable(np.array([1]), np.array([100.0]), max_batch_tokens=24)  # verifying is free
+    eng = _engine("async", slots=2, table=table, compile="lazy")
+    seen = _recording_dispatch(eng)
+    res = eng.generate(_width_visiting_requests())
+    assert all(r.finish_reason == "length" for r in res)
+    assert set(seen) <= set(eng.programs()), sorted(set(seen) - set(eng.programs()), key=str)
+    kinds = {k[0] for k in seen}
+    assert kinds >= {"admit", "plain", "spec", "catch_up", "evict"}, kinds
+    assert {k[2] for k in seen if k[0] == "spec" and k[3] == "async"} == set(eng.width_buckets[1:])
+
+
+@pytest.mark.slow  # compiles every program of a 2-slot async engine: ~7 minutes on 2 cores
+def test_eager_compile_policy_never_compiles_after_the_first_dispatch():
+    """Issue 42. Policy "eager": the first step compiles every program the engine can dispatch (ahead of
+    time, in parallel); then the async scheduler visits every verify width, greedy and filtered, with a
+    probe, plain steps and catch-ups, and XLA compiles nothing. The tokens are plain decoding's."""
+    table = CostTable(np.array([1]), np.array([100.0]), max_batch_tokens=24)  # verifying is free
+    eng = _engine("async", slots=2, table=table, compile="eager")
+    seen = _recording_dispatch(eng)
+    eng.submit(Request(prompts(1, seed=9)[0], max_tokens=1))
+    eng.step()  # the first dispatch: compiles every program
+    assert eng._compiled >= set(eng.programs())
+    while not eng.idle:
+        eng.step()
+    want = _want()
+    with count_compiles() as c:
+        res = eng.generate([Request(p, max_tokens=20, id=i) for i, p in enumerate(prompts(2, seed=1))])
+        res_varied = eng.generate(_width_visiting_requests())
+    assert c["n"] == 0, f"{c['n']} programs compiled after the first dispatch"
+    assert [r.tokens for r in res] == [want[i, :20].tolist() for i in range(2)]
+    assert all(r.finish_reason == "length" for r in res_varied)
+    spec = {(k[2], k[4]) for k in seen if k[0] == "spec" and k[3] == "async"}
+    assert spec == {(w, f) for w in eng.width_buckets[1:] for f in (False, True)}, sorted(spec)
+    assert any(k[0] == "catch_up" for k in seen) and any(k[0] == "plain" for k in seen)
+
+
+@pytest.mark.slow  # the background thread compiles every program: minutes on 2 cores
+def test_background_compile_policy_serves_with_what_is_compiled():
+    """Policy "background": tokens come before the whole set is compiled (the engine waits only for the
+    programs it cannot do without, and serves with plain steps or a compiled wider width meanwhile); the
+    tokens are plain decoding's whatever was compiled when; after the background compiler finished,
+    nothing compiles."""
+    table = CostTable(np.array([1]), np.array([100.0]), max_batch_tokens=24)
+    eng = _engine("async", slots=2, table=table, compile="background")
+    want = _want()
+    res = eng.generate([Request(p, max_tokens=20, id=i) for i, p in enumerate(prompts(2, seed=1))])
+    assert [r.tokens for r in res] == [want[i, :20].tolist() for i in range(2)]
+    assert eng._background is not None
+    assert eng._background.finished.wait(timeout=600) and eng._background.error is None
+    with count_compiles() as c:
+        res = eng.generate([Request(p, max_tokens=20, id=i) for i, p in enumerate(prompts(2, seed=1))])
+        eng.generate(_width_visiting_requests())
+    assert c["n"] == 0
+    assert [r.tokens for r in res] == [want[i, :20].tolist() for i in range(2)]
+
+
+def test_an_engine_whose_programs_would_not_fit_compiles_on_first_use(monkeypatch):
+    """On XLA:CPU each compiled program holds hundreds of memory maps of the process's vm.max_map_count;
+    an eager engine whose set would not fit beside what is compiled warns and compiles on first use
+    instead of letting XLA abort the process."""
+    from dspark_jax.serve import compiling
+
+    monkeypatch.setattr(compiling, "map_headroom", lambda: 10 * compiling.MAPS_PER_CPU_PROGRAM)
+    eng = _engine("off", slots=1, compile="eager")
+    assert len(eng.programs()) > 10
+    with pytest.warns(RuntimeWarning, match="would not fit"):
+        res = eng.generate([Request(prompts(1, seed=1)[0], max_tokens=5)])
+    assert res[0].tokens == _want()[0, :5].tolist() and eng._policy == "lazy"
+    monkeypatch.setattr(compiling, "map_headroom", lambda: None)  # unknown (not Linux): no limit assumed
+    assert compiling.fits_in_memory_maps(10 ** 6)
+
+
+def test_compile_policy_is_checked(monkeypatch):
+    with pytest.raises(ConfigError, match="'compile'"):
+        EngineConfig(compile="sometimes")
+    monkeypatch.delenv("DSPARK_COMPILE", raising=False)
+    assert EngineConfig().compile == "eager"  # the default that never stalls after the first request
+    monkeypatch.setenv("DSPARK_COMPILE", "background")
+    assert EngineConfig().compile == "background"
+    monkeypatch.setenv("DSPARK_COMPILE", "never")
+    with pytest.raises(ConfigError, match="'compile'"):
+        EngineConfig()
 
 
 @pytest.mark.parametrize("mode", ["off", "plain"])
