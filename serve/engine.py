@@ -496,10 +496,10 @@ class Engine:
     def _start_compiling(self) -> None:
         """At the first dispatch: the compile policy's work (serve/compiling.py)."""
         self._started = True
-        policy = self._policy
-        if policy != "lazy" and not compiling.fits_in_memory_maps(len(self.programs()) - len(self._compiled)):
+        policy, programs = self._policy, self.programs()
+        if policy != "lazy" and not compiling.fits_in_memory_maps(len(programs) - len(self._compiled)):
             # Several engines' full program sets in one process (benches, demos): XLA:CPU would abort.
-            warnings.warn(f"compile policy {policy!r}: this engine's {len(self.programs())} programs would not fit "
+            warnings.warn(f"compile policy {policy!r}: this engine's {len(programs)} programs would not fit "
                           "in the process's memory maps (vm.max_map_count) beside the programs compiled so far; "
                           "compiling each on first use instead (call jax.clear_caches() between engines)",
                           RuntimeWarning, stacklevel=3)
@@ -507,7 +507,7 @@ class Engine:
         if policy == "eager":
             self._compile_missing(self.config.progress)
         elif policy == "background":
-            self._background = compiling.BackgroundCompiler(self.programs(), self._compile,
+            self._background = compiling.BackgroundCompiler(programs, self._compile,
                                                             done=self._compiled.__contains__)
 
     def _ready(self, key: tuple) -> bool:
