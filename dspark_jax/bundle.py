@@ -14,8 +14,10 @@ Loading is strict: every parameter the configs imply must be present with its sh
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from dspark_jax.checkpoint.safetensors_io import CheckpointError, open_checkpoin
 from dspark_jax.checkpoint.formats import check_finite
 from dspark_jax.checkpoint.trees import check_tree
 from dspark_jax.errors import UserError, read_json_file
+from dspark_jax.validation import did_you_mean
 from dspark_jax.schedule import CostTable
 
 
@@ -128,13 +131,13 @@ def load_bundle(path, *, impl: str = "auto") -> Bundle:
     """A serving bundle; every problem (a missing or malformed file, a config field, a tensor's name,
     shape, dtype or values, a calibration for another block size, a bad tokenizer) is a UserError
     naming the file."""
-    path = Path(path)
-    meta_path = path / "bundle.json"
-    if not meta_path.is_file():
-        raise UserError(f"{path}: not a dspark bundle (no bundle.json)")
+    path, meta_path = _bundle_paths(Path(path))
     meta = read_json_file(meta_path, "bundle metadata")
     if not isinstance(meta, dict):
         raise UserError(f"{meta_path}: expected a JSON object")
+    _check_keys(meta, _META_KEYS, meta_path)
+    if isinstance(meta.get("backbone"), dict):
+        _check_keys(meta["backbone"], _BACKBONE_KEYS, f"{meta_path} 'backbone'")
     for key in ("backbone", "draft"):
         if not isinstance(meta.get(key), dict):
             raise UserError(f"{meta_path}: missing key '{key}'" if key not in meta
@@ -161,6 +164,40 @@ def load_bundle(path, *, impl: str = "auto") -> Bundle:
     temps = jnp.asarray(calibration.temperatures if calibration else np.ones(cfg.block_size), jnp.float32)
     weights = sr.Weights(bparams, dparams, backbone.tied(bparams), temps)
     return Bundle(model, weights, meta["backbone"].get("family"), calibration, table, tokenizer, path)
+
+
+_META_KEYS = ("backbone", "draft", "tap_mode")
+_BACKBONE_KEYS = ("family", "config")
+
+
+def _bundle_paths(path: Path) -> tuple[Path, Path]:
+    """(the bundle folder, its bundle.json) for a folder or for its bundle.json itself; a missing, looping
+    or misplaced bundle.json is a UserError saying which."""
+    if path.name == "bundle.json" and not path.is_dir():
+        path = path.parent  # the file was named instead of its folder: use its folder
+    meta_path = path / "bundle.json"
+    try:
+        meta_path.stat()
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UserError(f"{meta_path}: a symbolic link loop") from None
+        if meta_path.is_symlink():
+            raise UserError(f"{meta_path}: a symbolic link to {os.readlink(meta_path)}, which does not exist") from None
+        if not path.is_dir():
+            raise UserError(f"{path}: no such bundle folder" if not path.exists()
+                            else f"{path}: not a folder; expected a bundle folder (bundle.json + safetensors)") from None
+        raise UserError(f"{path}: not a dspark bundle (no bundle.json)") from None
+    if meta_path.is_dir():
+        raise UserError(f"{meta_path}: is a folder; expected the bundle's JSON file")
+    return path, meta_path
+
+
+def _check_keys(obj: dict, valid: tuple[str, ...], where) -> None:
+    """Strict like every config reader: an unknown or misspelt key names the closest valid one."""
+    for key in obj:
+        if key not in valid:
+            raise UserError(f"{where}: unknown key '{key}'{did_you_mean(key, valid)}; expected some of "
+                            f"{', '.join(valid)}")
 
 
 def _calibration(path: Path, block_size: int) -> Calibration | None:

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax import output_files
 from dspark_jax.errors import UserError
 
 
@@ -171,9 +172,7 @@ class Calibration:
 
     def save(self, path: str | os.PathLike) -> None:
         """JSON with key `temperatures` (the key SGLang and TensorRT-LLM read) plus the metadata."""
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
-            f.write("\n")
+        output_files.write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Calibration":

@@ -21,6 +21,7 @@ import numpy as np
 
 from dspark_jax import calibration
 from dspark_jax.errors import UserError, json_object_line
+from dspark_jax.output_files import check_not_an_input
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -141,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     # Bad input raises UserError / ValueError naming it; the CLI boundary prints it as one line, exit 2.
     if args.bins < 1:
         raise UserError(f"--bins: expected an integer >= 1, got {args.bins}")
+    check_not_an_input(args.out, [("RECORDS", args.records)])
     z, n, m = read_records(args.records)
     missing = check_verified(args.records, m, z.shape[1])  # before any output is written
     if missing:

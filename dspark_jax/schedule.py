@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax import output_files
 from dspark_jax.errors import UserError
 
 
@@ -111,8 +112,7 @@ class CostTable:
         """The table as SGLang's JSON; also written to `path` when given."""
         text = json.dumps(self.to_dict(), indent=2)
         if path is not None:
-            with open(path, "w") as f:
-                f.write(text + "\n")
+            output_files.write_text(path, text + "\n")
         return text
 
     @classmethod

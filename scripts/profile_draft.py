@@ -4,8 +4,8 @@
 For each bundle, batch and sampling setting, times (median and min of --repeats calls to completion):
   propose      draft.propose as the round calls it (filtering off unless --filtering; top_k 50 with it)
   hidden       the parallel half alone (draft_hidden: body + base logits)
-  markov       the Markov sampling loop alone (heads.markov_sample_loop, base logits given)
-  noise        the keyed Gumbel noise of a block alone (heads.draft_noise)
+  markov       the Markov sampling loop alone (drafts.markov.sample_block, base logits given)
+  noise        the keyed Gumbel noise of a block alone (drafts.markov.draft_noise)
   backbone     one backbone forward of 1 token per row (a plain decode step)
 The state is the one `dspark_jax.bench.decode.split_times` builds: 16-token prompts through
 spec_round.start. --hlo PATH writes the optimised HLO of propose (first setting) for inspection.
@@ -35,7 +35,8 @@ def _time_ms(fn, repeats: int) -> tuple[float, float]:
 def profile(b, batch: int, temperatures: list[str], filtering: bool, repeats: int, hlo: str | None):
     """-> [(temperature, {column: (median, min) ms})] for one bundle at one batch."""
     from dspark_jax import drafts
-    from dspark_jax import heads, sampling
+    from dspark_jax import sampling
+    from dspark_jax.drafts import markov as markov_head
 
     from dspark_jax.bench.decode import started_state
 
@@ -51,10 +52,11 @@ def profile(b, batch: int, temperatures: list[str], filtering: bool, repeats: in
     markov = weights.draft.get("markov")
     w1 = None if markov is None else markov["embed"]
     w2 = None if markov is None else markov["head"]
-    loop = jax.jit(lambda base, a, p, pos: heads.markov_sample_loop(base, a, w1, w2, p, seeds, pos, impl=model.impl,
-                                                                     filtering=filtering))
+    loop = jax.jit(lambda base, a, p, pos: markov_head.sample_block(
+        "vanilla", None if markov is None else {"embed": w1, "head": w2}, base, a, None, p, seeds, pos,
+        impl=model.impl, filtering=filtering))
     vocab = base.shape[-1]
-    noise = jax.jit(lambda pos: heads.draft_noise(seeds, pos, k, vocab))
+    noise = jax.jit(lambda pos: markov_head.draft_noise(seeds, pos, k, vocab))
     toks1 = jnp.ones((batch, 1), jnp.int32)
     bb = jax.jit(lambda w, s: model.backbone.forward(w.backbone, s.cache, toks1, taps=cfg.target_layer_ids,
                                                      tap_mode=model.tap_mode))

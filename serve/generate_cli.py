@@ -4,19 +4,23 @@ Input lines: {"prompt": "text"} (needs the bundle's tokenizer) or {"tokens": [id
 "id", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop" (token ids). A malformed line (bad
 JSON, not UTF-8, a bad field, an unknown key, both "prompt" and "tokens") is answered with an error line
 naming the line; the others are served.
-Output lines, written and flushed as each request finishes (so an interruption keeps what was done), in
-finishing order: {"line" (1-based input line), "id", "tokens", "text" (with a tokenizer),
-"finish_reason", "error", "rounds", "accepted", "tau"}. The output path is opened before the model
-loads: a path that cannot be written fails at once. A metrics summary goes to stderr.
+Output lines, in finishing order: {"line" (1-based input line), "id", "tokens", "text" (with a
+tokenizer), "finish_reason", "error", "rounds", "accepted", "tau"}. They are written and flushed as each
+request finishes into a temporary file beside --out, renamed over --out when the run completes
+(`output_files`): a run that fails leaves an earlier --out as it was, and what it had done in
+`<out>.partial`. The temporary file is created before the model loads (a folder that cannot be written
+fails at once), and --out naming an input is refused. A metrics summary goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
 from dspark_jax.errors import UserError
+from dspark_jax.output_files import check_not_an_input, replaced_on_success
 from dspark_jax.serve.cli_common import add_compile_argument, add_model_arguments, compile_option, load_model
 from dspark_jax.serve.request_check import PROMPT_LINE_KEYS, check_length_and_temperature, prompt_record
 from dspark_jax.validation import check_int_flags, flag_name
@@ -80,11 +84,12 @@ def result_record(index: int, rid, result, tokenizer) -> dict:
     return rec
 
 
-def open_output(path: str):
-    """The output stream, opened now: a missing folder or a read-only path fails before any work."""
-    if path == "-":
-        return sys.stdout
-    return open(path, "w")
+def output_stream(args: argparse.Namespace):
+    """A context giving the output stream: stdout for "-", else a file replacing --out on success."""
+    if args.out == "-":
+        return contextlib.nullcontext(sys.stdout)
+    check_not_an_input(args.out, [("--prompts", args.prompts), ("--cost-table", args.cost_table)])
+    return replaced_on_success(args.out, keep_partial=True)
 
 
 def _mesh(args):
@@ -119,8 +124,7 @@ def run(args: argparse.Namespace) -> int:
     check_defaults(args)
     with open(args.prompts, "rb") as f:
         lines = f.read().splitlines()
-    out = open_output(args.out)
-    try:
+    with output_stream(args) as out:
         mesh = _mesh(args)
         bundle = load_model(args)
         table = CostTable.from_json(args.cost_table) if args.cost_table else bundle.cost_table
@@ -138,8 +142,5 @@ def run(args: argparse.Namespace) -> int:
                                      num_verify=args.num_verify, **compile_option(args)),
                         cost_table=table, mesh=mesh)
         engine.generate(reqs, on_result=lambda i, r: write(*reqs[i].id, r))
-    finally:
-        if out is not sys.stdout:
-            out.close()
     print(json.dumps(engine.metrics.summary()), file=sys.stderr)
     return 0

@@ -47,6 +47,8 @@ def create_app(loop: EngineLoop, *, tokenizer=None, model_name: str = "dspark", 
 
     @app.exception_handler(oa.ApiError)
     async def _api_error(_, err: oa.ApiError):
+        if err.status in _OUTCOME_OF_STATUS:  # a refused request (an engine error is counted where it ends)
+            metrics.request_done(_OUTCOME_OF_STATUS[err.status])
         return error_response(err, {"Retry-After": "1"} if err.status == 429 else None)
 
     async def read_json(http: HttpRequest) -> dict:
@@ -63,6 +65,9 @@ def create_app(loop: EngineLoop, *, tokenizer=None, model_name: str = "dspark", 
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise oa.bad("model", "expected a string")
+        if model is not None and model != model_name:  # OpenAI's answer to a model it does not serve
+            raise oa.ApiError(404, f"the model {model!r} does not exist; this server serves {model_name!r} "
+                              "(GET /v1/models)", param="model", code="model_not_found")
         return oa.parse_common(body, prompt, vocab=vocab, max_len=engine_cfg.max_len,
                                max_stop_tokens=engine_cfg.max_stop_tokens, default_max_tokens=default_max_tokens)
 
@@ -111,7 +116,6 @@ def create_app(loop: EngineLoop, *, tokenizer=None, model_name: str = "dspark", 
         try:
             ticket = loop.submit(req, lambda ev: aloop.call_soon_threadsafe(events.put_nowait, ev))
         except QueueFull as err:
-            metrics.request_done("rejected")
             raise oa.ApiError(429, f"server busy: {err}", code="queue_full", type_="rate_limit_error") from None
         except ShuttingDown as err:
             raise oa.ApiError(503, str(err), code="shutting_down", type_="server_error") from None
@@ -128,6 +132,9 @@ def create_app(loop: EngineLoop, *, tokenizer=None, model_name: str = "dspark", 
 
     return app
 
+
+# The requests_total outcome of a request refused with an HTTP error.
+_OUTCOME_OF_STATUS = {400: "invalid", 404: "not_found", 429: "rejected", 503: "unavailable"}
 
 # The engine's Request field names that differ from the OpenAI parameter they come from.
 _API_PARAM = {"stop_tokens": "stop"}

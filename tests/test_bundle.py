@@ -50,6 +50,20 @@ CASES = {  # name: (break the bundle, the file the message names, a phrase it co
     "bundle.json a list": (lambda b: (b / "bundle.json").write_text("[]"), "bundle.json", "expected a JSON object"),
     "no backbone key": (lambda b: _edit_json(b / "bundle.json", lambda d: d.pop("backbone")), "bundle.json",
                         "missing key 'backbone'"),
+    # bundle.json is strict like every other config reader (issue 40)
+    "unknown top-level key": (lambda b: _edit_json(b / "bundle.json", lambda d: d.update(comment="x")), "bundle.json",
+                              "unknown key 'comment'; expected some of backbone, draft, tap_mode"),
+    "top-level key typo": (lambda b: _edit_json(b / "bundle.json", lambda d: d.update(tap_mod=d.pop("tap_mode"))),
+                           "bundle.json", "unknown key 'tap_mod' (did you mean 'tap_mode'?)"),
+    "backbone key typo": (lambda b: _edit_json(b / "bundle.json", lambda d: d["backbone"].update(
+        confg=d["backbone"].pop("config"))), "bundle.json 'backbone'", "(did you mean 'config'?)"),
+    "bundle.json a symlink loop": (lambda b: ((b / "bundle.json").unlink(), (b / "bundle.json").symlink_to(b / "bundle.json")),
+                                   "bundle.json", "a symbolic link loop"),
+    "bundle.json a dangling symlink": (lambda b: ((b / "bundle.json").unlink(),
+                                                  (b / "bundle.json").symlink_to(b / "gone.json")),
+                                       "bundle.json", "gone.json, which does not exist"),
+    "bundle.json a folder": (lambda b: ((b / "bundle.json").unlink(), (b / "bundle.json").mkdir()), "bundle.json",
+                             "is a folder; expected the bundle's JSON file"),
     "draft key typo": (lambda b: _edit_json(b / "bundle.json", lambda d: d["draft"].update(markov_rnak=3)),
                        "bundle.json", "markov_rank"),
     "truncated draft": (lambda b: _truncate(b / "draft.safetensors"), "draft.safetensors", "truncated"),
@@ -106,6 +120,18 @@ def test_the_intact_copy_loads(bundle):
     b = load_bundle(bundle)
     assert b.tokenizer is not None and b.calibration is not None
     assert np.asarray(b.weights.temperatures).tolist() == pytest.approx(b.calibration.temperatures)
+
+
+def test_a_bundle_json_path_loads_its_folder(bundle):
+    assert load_bundle(bundle / "bundle.json").path == bundle
+
+
+def test_a_missing_bundle_folder_or_a_file_is_named(tmp_path):
+    with pytest.raises(UserError, match="no such bundle folder"):
+        load_bundle(tmp_path / "nowhere")
+    (tmp_path / "weights.bin").write_text("x")
+    with pytest.raises(UserError, match="weights.bin: not a folder"):
+        load_bundle(tmp_path / "weights.bin")
 
 
 def test_a_bundle_records_the_family_tap_mode(tmp_path):

@@ -197,10 +197,29 @@ class JsonlStream:
         """Position the stream after its first n examples (over epochs), as if they had been read."""
         count = self.host_records()
         if count == 0:
-            raise DataError(f"host {self.process_index} of {self.process_count} has no records in "
-                            f"{[str(p) for p in self.paths]}")
+            raise self._no_records()
         self.epoch, self.consumed = divmod(int(n), count)
         self._it = None
+
+    def check_usable(self) -> None:
+        """DataError unless this host's share holds a good record (read up to the first one; the stream's
+        position is untouched): a trainer checks it before its compile, so an empty file or a file of only
+        bad lines fails in seconds, not after minutes."""
+        last = None
+        for number, line, where in self._host_lines():
+            try:
+                self._example(number, line, where)
+                return
+            except DataError as err:
+                last = err
+        raise self._no_records() if last is None else self._all_bad(last)
+
+    def _no_records(self) -> DataError:
+        return DataError(f"data.train: host {self.process_index} of {self.process_count} has no records in "
+                         f"{[str(p) for p in self.paths]}")
+
+    def _all_bad(self, last: DataError) -> DataError:
+        return DataError(f"data.train: every record of host {self.process_index} is bad (the last: {last})")
 
     # ---- iteration -------------------------------------------------------------------------------
     def _host_lines(self) -> Iterator[tuple[int, bytes, str]]:
@@ -237,8 +256,7 @@ class JsonlStream:
                 self.consumed = n
                 yield item
             if n == 0:
-                raise DataError(f"host {self.process_index} of {self.process_count} has no records in "
-                                f"{[str(p) for p in self.paths]}")
+                raise self._no_records()
             skip = 0
             self.epoch, self.consumed = self.epoch + 1, 0
 
@@ -277,7 +295,7 @@ class JsonlStream:
             tail = " (further bad lines are counted, not shown)" if self.skipped == _MAX_WARNINGS else ""
             warnings.warn(f"skipping a bad training record: {err}{tail}", DataWarning, stacklevel=3)
         if self._bad_run >= self.host_records():
-            raise DataError(f"every record of host {self.process_index} is bad (the last: {err})")
+            raise self._all_bad(err)
 
 
 def make_batch(examples: list[Example], num_anchors: int, seed: int) -> dict[str, np.ndarray]:

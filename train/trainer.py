@@ -243,6 +243,21 @@ def compile_step(spec: StepSpec) -> CompiledStep:
     return CompiledStep(compiled, tx, state_sh, bb_sh, batch_sh)
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """run_dir is a folder, or can become one (its nearest existing ancestor is a writable folder):
+    checked before the compile, so a typo does not cost minutes."""
+    for place in (run_dir, *run_dir.absolute().parents):
+        if not place.exists():
+            continue
+        if not place.is_dir():
+            raise UserError(f"run_dir: {run_dir}: {place} is a file; expected a folder for the checkpoints "
+                            "and metrics.jsonl" if place == run_dir else
+                            f"run_dir: {run_dir}: {place} is a file, so the folder cannot be created")
+        if place != run_dir and not os.access(place, os.W_OK):
+            raise UserError(f"run_dir: {run_dir}: cannot create it in {place} (permission denied)")
+        return
+
+
 def init_distributed(cfg: DistributedConfig) -> None:
     """jax.distributed.initialize from the run config or DSPARK_COORDINATOR / DSPARK_NUM_PROCESSES /
     DSPARK_PROCESS_ID (no-op for a single process). Must run before anything touches the devices."""
@@ -282,6 +297,8 @@ class Trainer:
         # below, which takes minutes at real sizes; the stream only opens files when it is read.
         cfg.check_vocab(self.draft_cfg.vocab_size)
         self._stream = JsonlStream(cfg.data, vocab_size=self.draft_cfg.vocab_size)
+        self._stream.check_usable()
+        check_run_dir(Path(cfg.run_dir))
         for field, path, given in (("backbone.params", cfg.backbone.params, backbone_params),
                                    ("draft.init", cfg.draft.init, draft_params)):
             if path is not None and given is None and not Path(path).exists():

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_jax import output_files
 from dspark_jax.acceptance_report import MIN_PLOT_ROUNDS, acceptance_bars, fmt_acc, fmt_counts
 from dspark_jax.validation import check_int_flags, check_number_flags, check_output_flags
 
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
 
     print_table(rows, args.max_tokens, len(prompts))
     if args.json:
-        Path(args.json).write_text(json.dumps({"prompts": len(prompts), "max_tokens": args.max_tokens,
+        output_files.write_text(args.json, json.dumps({"prompts": len(prompts), "max_tokens": args.max_tokens,
                                                "rows": rows}, indent=2) + "\n")
         print(f"numbers -> {args.json}")
     if args.plot:

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 
+from dspark_jax import output_files
 from dspark_jax.errors import UserError
 from dspark_jax.serve.cli_common import add_model_arguments
 from dspark_jax.validation import check_int_flags, check_output_flags, int_list_flag
@@ -221,6 +222,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"part 2: the first run of each policy (fresh process; async, {args.first_run_slots} slots, T = 1)")
     rows["first_run"] = first_run_rows(args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        output_files.write_text(args.json, json.dumps(rows, indent=1))
     return 0

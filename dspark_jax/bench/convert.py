@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_jax import output_files
 from dspark_jax.errors import UserError
 from dspark_jax.validation import check_int_flags, check_number_flags, check_output_flags
 
@@ -249,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(work, ignore_errors=True)
     _print_table(results)
     if args.json:
-        args.json.write_text(json.dumps({"config": {"stages": args.stages, "experts": args.experts,
+        output_files.write_text(args.json, json.dumps({"config": {"stages": args.stages, "experts": args.experts,
                                                     "with_tied": args.with_tied}, "results": results}, indent=2))
     print("memory bound: " + ("OK" if ok else "EXCEEDED"))
     return 0 if ok else 1

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax import drafts
+from dspark_jax import output_files
 from dspark_jax import sampling
 from dspark_jax import spec_round as sr
 from dspark_jax.bench import peer as peer_lib
@@ -233,8 +234,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"batch {b} done: plain {row['plain_tok_s']:.0f} tok/s, spec {row['spec_tok_s']:.0f} tok/s", flush=True)
     print_table(rows, bundle, args)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        output_files.write_text(args.json, json.dumps(rows, indent=1))
     return 0
 
 

@@ -21,6 +21,7 @@ import math
 import time
 from pathlib import Path
 
+from dspark_jax import output_files
 from dspark_jax.errors import UserError
 from dspark_jax.validation import check_int_flags, check_output_flags
 
@@ -158,5 +159,5 @@ def run(args: argparse.Namespace) -> int:
     rows = [measure(p, axes, args) for p in ("bf16", "checkpoint")]
     print_table(rows, axes, args)
     if args.json:
-        args.json.write_text(json.dumps({"mesh": axes, "rows": rows}, indent=2))
+        output_files.write_text(args.json, json.dumps({"mesh": axes, "rows": rows}, indent=2))
     return 0

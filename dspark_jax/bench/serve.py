@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from dspark_jax import output_files
 from dspark_jax.errors import UserError
 from dspark_jax.serve.cli_common import add_model_arguments, load_model
 from dspark_jax.validation import check_int_flags, check_number_flags, check_output_flags, int_list_flag
@@ -108,8 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
         rows = run_http(args, bundle, levels, workload)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+            output_files.write_text(args.json, json.dumps(rows, indent=1))
         return 0
     model, weights = bundle.model, bundle.weights
     k = model.block_size
@@ -152,8 +152,7 @@ def run(args: argparse.Namespace) -> int:
         plot(rows, args.plot)
         print(f"plot: {args.plot}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        output_files.write_text(args.json, json.dumps(rows, indent=1))
     return 0
 
 

@@ -3,6 +3,7 @@ the `openai` client and raw HTTP."""
 
 import functools
 import json
+import re
 import socket
 import threading
 import time
@@ -159,6 +160,25 @@ def test_bad_requests_answer_400_naming_the_field(server, change, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and param in err["message"] and err["type"] == "invalid_request_error"
+
+
+def _count(server, outcome: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    found = re.search(rf'dspark_requests_total{{outcome="{outcome}"}} ([0-9.e+]+)', text)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_an_unknown_model_is_404_and_every_refusal_is_counted(server):
+    """OpenAI answers a model it does not serve with 404 model_not_found; 400s and 404s count in the
+    metrics as "invalid" and "not_found" (issue 40)."""
+    invalid, not_found = _count(server, "invalid"), _count(server, "not_found")
+    r = post(server, "/v1/completions", {"model": "gpt-4", "prompt": "x = 1", "max_tokens": 2})
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["code"] == "model_not_found" and err["param"] == "model" and "'gpt-4'" in err["message"]
+    assert "'tiny'" in err["message"] and err["type"] == "invalid_request_error"
+    assert post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}).status_code == 400
+    assert _count(server, "not_found") == not_found + 1 and _count(server, "invalid") == invalid + 1
 
 
 @pytest.mark.parametrize("body,param", [("not json", None), ([1, 2], None)])

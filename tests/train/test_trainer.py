@@ -282,3 +282,38 @@ def test_dspark_train_trains_the_deepspec_family(tmp_path):
                            per_host_batch=4))
     losses = [float(jax.device_get(tr.step(batch))["loss"]) for _ in range(6)]
     assert np.isfinite(losses).all() and losses[-1] < 0.9 * losses[0], losses
+
+
+def _no_compile(*_args, **_kw):
+    raise AssertionError("the trainer compiled before checking its inputs")
+
+
+@pytest.mark.parametrize("case", ["empty data file", "every line bad", "run_dir a file", "run_dir under a file"])
+def test_bad_inputs_are_refused_before_the_compile(model_files, tmp_path, monkeypatch, case):
+    """Issue 40: an empty data file, a file of only bad lines and a run_dir that cannot be a folder are
+    named before the training step compiles (minutes at real sizes), not after."""
+    from dspark_jax.train import trainer as trainer_mod
+    from dspark_jax.train.config import RunConfig
+    from dspark_jax.train.trainer import Trainer
+
+    monkeypatch.setattr(trainer_mod, "compile_step", _no_compile)
+    data, run = tmp_path / "train.jsonl", tmp_path / "run"
+    from helpers.train import DATA
+
+    data.write_text(DATA.read_text())
+    want = {"empty data file": "has no records", "every line bad": "every record of host 0 is bad",
+            "run_dir a file": "is a file; expected a folder", "run_dir under a file": "the folder cannot be created"}[case]
+    if case == "empty data file":
+        data.write_text("\n")
+    elif case == "every line bad":
+        data.write_text('{"tokens": "not a list"}\nnot json\n')
+    elif case == "run_dir a file":
+        run.write_text("x")
+    else:
+        (tmp_path / "file").write_text("x")
+        run = tmp_path / "file" / "run"
+    cfg = RunConfig.from_dict(run_config(model_files, run, data={"train": [str(data)], "seq_len": 48,
+                                                                 "shuffle_buffer": 16, "anchors_per_seq": 6}))
+    with pytest.raises(UserError, match=want) as info:
+        Trainer(cfg, mesh=one_device())
+    assert ("run_dir" if case.startswith("run_dir") else "data.train") in str(info.value)

@@ -3,7 +3,7 @@ and its Markov weights `drafts.markov.MarkovWeights`.
 
 The confidence head reads the PRE-norm collapsed hidden h_k and the Markov embedding W1[x_{k-1}], has
 no bias, and returns the logit (the sigmoid and the STS temperatures are applied outside; they are not
-in the checkpoint). The Markov loop itself is shared by the families (`dspark_jax.heads`).
+in the checkpoint). The Markov loop itself is shared by the families (`dspark_jax.drafts.markov`).
 """
 
 from __future__ import annotations
