@@ -544,9 +544,12 @@ class Engine:
             yield from self.step()
 
     def generate(self, requests: Sequence[Request],
-                 on_result: Callable[[int, Result], None] | None = None) -> list[Result]:
+                 on_result: Callable[[int, Result], None] | None = None,
+                 on_tokens: Callable[[int, list[int]], bool] | None = None) -> list[Result]:
         """Serve `requests` to completion; results in request order (bad requests: finish_reason "error").
-        `on_result(i, result)` is called as each request finishes (a bad one at once), e.g. to write it."""
+        `on_result(i, result)` is called as each request finishes (a bad one at once), e.g. to write it.
+        `on_tokens(i, new_tokens)` sees each request's tokens as they come; True stops the request there
+        (e.g. its text reached a stop string): it finishes "stop" with the tokens emitted so far."""
         results: list[Result | None] = [None] * len(requests)
         index = {}
 
@@ -563,6 +566,7 @@ class Engine:
         total = sum(q.max_tokens for _, q in self._queue)
         bar = tqdm(total=total, desc=f"dspark {self.config.mode}", unit="tok", disable=not self.config.progress)
         mine = {rid: Result(requests[i].id, [], "") for rid, i in index.items()}
+        stopped: set[int] = set()  # stopped by on_tokens
         t0 = time.perf_counter()
         for ev in self.stream():
             res = mine.get(ev.id)
@@ -570,10 +574,15 @@ class Engine:
                 continue
             res.tokens += ev.tokens
             bar.update(len(ev.tokens))
+            if on_tokens is not None and ev.tokens and ev.id not in stopped and on_tokens(index[ev.id], ev.tokens):
+                stopped.add(ev.id)
+                if not ev.finish_reason:
+                    self.cancel(ev.id)  # its "cancelled" event comes with the next step
             if ev.finish_reason:
-                res.finish_reason, res.error = ev.finish_reason, ev.error
+                res.finish_reason, res.error = ("stop" if ev.id in stopped else ev.finish_reason), ev.error
                 res.rounds, res.accepted = ev.result.rounds, ev.result.accepted
                 done(index[ev.id], res)
+                del mine[ev.id]  # one result per request
         bar.close()
         self.metrics.wall_s += time.perf_counter() - t0
         return results

@@ -1,9 +1,10 @@
 """`dspark generate`: prompts JSONL in, outputs JSONL out.
 
 Input lines: {"prompt": "text"} (needs the bundle's tokenizer) or {"tokens": [ids]}, optionally with
-"id", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop" (token ids). A malformed line (bad
-JSON, not UTF-8, a bad field, an unknown key, both "prompt" and "tokens") is answered with an error line
-naming the line; the others are served.
+"id", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop" (as the server takes it: a string, a
+token id, or a list of them; stop strings need a tokenizer, cut "text" before the string and end the
+request with finish_reason "stop"). A malformed line (bad JSON, not UTF-8, a bad field, an unknown key,
+both "prompt" and "tokens") is answered with an error line naming the line; the others are served.
 Output lines, in finishing order: {"line" (1-based input line), "id", "tokens", "text" (with a
 tokenizer), "finish_reason", "error", "rounds", "accepted", "tau"}. They are written and flushed as each
 request finishes into a temporary file beside --out, renamed over --out when the run completes
@@ -45,12 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="call jax.distributed.initialize() first (multi-host TPU slices; see README)")
 
 
-def parse_requests(lines, tokenizer, defaults) -> tuple[list, dict]:
-    """Raw input lines (bytes or str) -> (requests, {index: error}) for lines that could not even be turned
-    into a request (`result_record` adds the line number to every error). Request i carries id (index, its own "id") so results map back to their lines."""
+def parse_requests(lines, tokenizer, defaults, *, vocab: int, max_stop_tokens: int) -> tuple[list, dict, dict]:
+    """Raw input lines (bytes or str) -> (requests, {index: error}, {index: stop strings}); the errors are
+    for lines that could not even be turned into a request (`result_record` adds the line number to every
+    error). Request i carries id (index, its own "id") so results map back to their lines."""
     from dspark_jax.serve.engine import Request
+    from dspark_jax.serve.openai_api import ApiError, parse_stop
 
-    reqs, errors = [], {}
+    reqs, errors, stop_strings = [], {}, {}
     for i, raw in enumerate(lines):
         try:
             rec = prompt_record(raw, PROMPT_LINE_KEYS)
@@ -62,24 +65,33 @@ def parse_requests(lines, tokenizer, defaults) -> tuple[list, dict]:
                 raise ValueError("'prompt' text needs a tokenizer; this model has none (give 'tokens')")
             else:
                 tokens = tokenizer.encode(rec["prompt"]).ids
-            stop = rec.get("stop", ())
-            if not isinstance(stop, list | tuple):
-                raise ValueError(f"'stop': expected a list of token ids, got {type(stop).__name__}")
+            try:  # the server's rules and messages: one request format
+                strings, stop = parse_stop(rec.get("stop"), vocab, max_stop_tokens)
+            except ApiError as err:
+                raise ValueError(err.message) from None
+            if strings and tokenizer is None:
+                raise ValueError("'stop': stop strings need a tokenizer; this model has none (give token ids)")
+            if strings:
+                stop_strings[i] = strings
             reqs.append(Request(tokens, max_tokens=rec.get("max_tokens", defaults["max_tokens"]),
                                 temperature=rec.get("temperature", defaults["temperature"]),
                                 top_k=rec.get("top_k", 0), top_p=rec.get("top_p", 1.0), seed=rec.get("seed", i),
                                 stop_tokens=tuple(stop), id=(i, rec.get("id", i))))
         except (ValueError, TypeError) as err:
             errors[i] = str(err)
-    return reqs, errors
+    return reqs, errors, stop_strings
 
 
-def result_record(index: int, rid, result, tokenizer) -> dict:
-    """One output line (`index` is the 0-based input line)."""
-    rec = {"line": index + 1, "id": rid, "tokens": result.tokens, "finish_reason": result.finish_reason,
+def result_record(index: int, rid, result, tokenizer, text=None) -> dict:
+    """One output line (`index` is the 0-based input line); `text`: the request's TextStream when it has
+    stop strings (its text is cut before the first one, and a hit ends the request as "stop")."""
+    finish = "stop" if text is not None and text.stopped else result.finish_reason
+    rec = {"line": index + 1, "id": rid, "tokens": result.tokens, "finish_reason": finish,
            "error": f"line {index + 1}: {result.error}" if result.error else result.error,
            "rounds": result.rounds, "accepted": result.accepted, "tau": len(result.tokens) / max(result.rounds, 1)}
-    if tokenizer is not None and result.tokens:
+    if text is not None:
+        rec["text"] = text.text if text.stopped else tokenizer.decode(result.tokens)
+    elif tokenizer is not None and result.tokens:
         rec["text"] = tokenizer.decode(result.tokens)
     return rec
 
@@ -120,6 +132,7 @@ def check_defaults(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from dspark_jax.schedule import CostTable
     from dspark_jax.serve.engine import Engine, EngineConfig, Result
+    from dspark_jax.serve.openai_api import TextStream
 
     check_defaults(args)
     with open(args.prompts, "rb") as f:
@@ -128,19 +141,29 @@ def run(args: argparse.Namespace) -> int:
         mesh = _mesh(args)
         bundle = load_model(args)
         table = CostTable.from_json(args.cost_table) if args.cost_table else bundle.cost_table
-        reqs, errors = parse_requests(lines, bundle.tokenizer,
-                                      {"max_tokens": args.max_tokens, "temperature": args.temperature})
+        config = EngineConfig(max_slots=args.slots, max_len=args.max_len, mode=args.mode,
+                              num_verify=args.num_verify, **compile_option(args))
+        reqs, errors, stops = parse_requests(lines, bundle.tokenizer,
+                                             {"max_tokens": args.max_tokens, "temperature": args.temperature},
+                                             vocab=bundle.model.backbone.vocab_size,
+                                             max_stop_tokens=config.max_stop_tokens)
+        texts = {i: TextStream(bundle.tokenizer, stops[reqs[i].id[0]]) for i in range(len(reqs))
+                 if reqs[i].id[0] in stops}
 
-        def write(index: int, rid, result) -> None:
-            out.write(json.dumps(result_record(index, rid, result, bundle.tokenizer)) + "\n")
+        def write(index: int, rid, result, text=None) -> None:
+            out.write(json.dumps(result_record(index, rid, result, bundle.tokenizer, text)) + "\n")
             out.flush()
+
+        def stop_string_hit(i: int, tokens: list[int]) -> bool:
+            text = texts.get(i)
+            if text is None:
+                return False
+            text.push(tokens)
+            return text.stopped
 
         for idx, err in errors.items():
             write(idx, idx, Result(idx, [], "error", err))
-        engine = Engine(bundle.model, bundle.weights,
-                        EngineConfig(max_slots=args.slots, max_len=args.max_len, mode=args.mode,
-                                     num_verify=args.num_verify, **compile_option(args)),
-                        cost_table=table, mesh=mesh)
-        engine.generate(reqs, on_result=lambda i, r: write(*reqs[i].id, r))
+        engine = Engine(bundle.model, bundle.weights, config, cost_table=table, mesh=mesh)
+        engine.generate(reqs, on_result=lambda i, r: write(*reqs[i].id, r, texts.get(i)), on_tokens=stop_string_hit)
     print(json.dumps(engine.metrics.summary()), file=sys.stderr)
     return 0

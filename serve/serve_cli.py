@@ -3,15 +3,21 @@
     dspark serve --bundle DIR [--host 127.0.0.1] [--port 8000] [--mode async] [--slots 8] [--max-len 512]
                  [--max-queue 64]
 
-Binds to loopback unless --host says otherwise. SIGTERM / Ctrl-C: stop accepting, let the requests in
-flight finish for up to --grace seconds, exit 0.
+Binds to loopback unless --host says otherwise; the port is bound before the model loads (a busy port
+fails at once). SIGTERM / Ctrl-C: while loading, stop at once; while serving or compiling, stop accepting,
+let the requests in flight finish for up to --grace seconds, exit 0 (a compile in progress is abandoned).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import logging
 import os
+import signal
+import socket
 import sys
+import threading
 
 from dspark_jax.errors import UserError
 from dspark_jax.serve.cli_common import add_model_arguments, load_model
@@ -100,8 +106,6 @@ def build_app(args):
     from dspark_jax.serve.loop import EngineLoop
     from dspark_jax.serve.metrics import ServerMetrics
 
-    if args.compile_cache:
-        enable_compile_cache(args.compile_cache)
     bundle = load_model(args)
     table = _cost_table(args, bundle)
     config = EngineConfig(max_slots=args.slots, max_len=args.max_len, mode=args.mode, num_verify=args.num_verify,
@@ -127,25 +131,78 @@ def build_app(args):
     return app, loop
 
 
+def bind_port(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening: connections are refused until the server starts)
+    BEFORE the bundle loads, so a port in use fails in a second, not after the load."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses the port at once
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        why = "another server is listening there" if err.errno == errno.EADDRINUSE else err.strerror
+        raise UserError(f"--port {port}: cannot listen on {host}:{port} ({why})") from None
+    return sock
+
+
+class _Stopped(BaseException):
+    """SIGTERM or SIGINT while the bundle loads (before the server's own handlers are installed)."""
+
+
+def _raise_stopped(signum, _frame):
+    raise _Stopped(signal.Signals(signum).name)
+
+
 def run(args: argparse.Namespace) -> int:
     check_args(args)
-    import uvicorn
+    if args.compile_cache:
+        enable_compile_cache(args.compile_cache)
+    sock = bind_port(args.host, args.port)
+    port = sock.getsockname()[1]  # --port 0: the one the system chose
+    previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGINT)}
+    print(f"dspark serve: loading the model for http://{args.host}:{port}/v1", file=sys.stderr, flush=True)
+    try:
+        import uvicorn
 
-    app, _ = build_app(args)
-    print(f"dspark serve: http://{args.host}:{args.port}/v1 (compiling; GET /health says ok when ready)",
+        app, _ = build_app(args)
+    except _Stopped as stop:
+        sock.close()
+        print(f"dspark serve: {stop} while loading; stopped", file=sys.stderr, flush=True)
+        exit_now_if_compiling()
+        return 0
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    print(f"dspark serve: http://{args.host}:{port}/v1 (compiling; GET /health says ok when ready)",
           file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
                             timeout_graceful_shutdown=max(1, int(round(args.grace))))
-    serve_until_stopped(config)
+    serve_until_stopped(config, sock)
+    exit_now_if_compiling()
     return 0
 
 
-def serve_until_stopped(config) -> None:
-    """uvicorn.Server.run, except that a SIGTERM ends the process with exit 0: uvicorn re-raises the
-    signal that stopped it once it has shut down (the process would end "killed by SIGTERM"), but
-    SIGTERM is how a server is asked to stop, and a clean stop is a success."""
-    import signal
+def exit_now_if_compiling() -> None:
+    """End the process now, status 0, when one of our threads may still be inside an XLA compile (the
+    warm-up, a background compiler, a cost-table profile): the interpreter's finalisation would stop that
+    thread inside C++ and abort the process (exit 134, "FATAL: exception not rethrown"). Called after a
+    clean shutdown, when nothing is left to write but the logs, which are flushed first."""
+    busy = [t.name for t in threading.enumerate() if t.is_alive() and t.name.startswith("dspark-")]
+    if not busy:
+        return
+    print(f"dspark serve: stopped while compiling ({', '.join(sorted(set(busy)))})", file=sys.stderr, flush=True)
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(0)
 
+
+def serve_until_stopped(config, sock: socket.socket) -> None:
+    """uvicorn.Server.run on `sock`, except that a SIGTERM ends the process with exit 0: uvicorn re-raises
+    the signal that stopped it once it has shut down (the process would end "killed by SIGTERM"), but
+    SIGTERM is how a server is asked to stop, and a clean stop is a success."""
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
@@ -154,4 +211,4 @@ def serve_until_stopped(config) -> None:
             if sig == signal.SIGTERM:
                 self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
-    GracefulServer(config).run()
+    GracefulServer(config).run(sockets=[sock])

@@ -220,3 +220,46 @@ def test_generate_refuses_a_bad_key_for_its_line_only(tmp_path, capsys):
     assert recs[2]["error"] == ("line 2: unknown key 'temprature' (did you mean 'temperature'?); expected some of "
                                 "prompt, tokens, id, max_tokens, temperature, top_k, top_p, seed, stop")
     assert recs[3]["error"] == "line 3: give 'tokens' or 'prompt', not both"
+
+
+def test_generate_takes_stops_as_the_server_does(tmp_path, capsys):
+    """Issue 40: one request format. A prompt line's "stop" is a string, a token id or a list of them (as
+    the server takes it): a stop string cuts "text" before it and ends the request "stop"; an empty one is
+    an error naming `stop`, the field the user wrote (embedded default bundle: it has a tokenizer)."""
+    def generate(*lines):
+        prompts, out = tmp_path / "p.jsonl", tmp_path / "out.jsonl"
+        prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        assert main(["generate", "--prompts", str(prompts), "--out", str(out), "--mode", "plain", "--slots", "2",
+                     "--max-len", "64", "--compile", "lazy"]) == 0
+        return {r["line"]: r for r in map(json.loads, out.read_text().splitlines())}
+
+    line = {"prompt": "def ", "max_tokens": 24, "temperature": 0}
+    free = generate(line)[1]
+    text = free["text"]
+    assert free["finish_reason"] == "length" and len(text) > 8, free
+    stop = text[4:7]  # a string that first occurs at or before character 4
+    cut = text.find(stop)
+    got = generate({**line, "stop": stop}, {**line, "stop": [stop]}, {**line, "stop": [""]},
+                   {**line, "stop": [1.5]})
+    for n in (1, 2):
+        assert got[n]["finish_reason"] == "stop" and got[n]["text"] == text[:cut], got[n]
+        assert got[n]["tokens"] == free["tokens"][:len(got[n]["tokens"])]
+    assert got[3]["error"] == "line 3: 'stop': stop strings must not be empty"
+    assert got[4]["error"] == "line 4: 'stop': expected a string, a token id, or a list of them"
+
+
+def test_serve_refuses_a_port_in_use_before_loading_the_model(monkeypatch, capsys):
+    """Issue 40: a second server on a busy port used to load the whole bundle, print [Errno 98] and
+    segfault; the port is now bound before the load, and a busy one is one line, exit 2."""
+    import socket
+
+    from dspark_jax.serve import serve_cli
+
+    monkeypatch.setattr(serve_cli, "build_app", lambda args: pytest.fail("the model loaded before the port was bound"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, err = _run(["serve", "--random-tiny", "--port", str(port)], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert f"--port {port}: cannot listen on 127.0.0.1:{port} (another server is listening there)" in err[0], err

@@ -340,3 +340,47 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _serve_process(port: int, *flags: str):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "dspark_jax", "serve", "--random-tiny", "--port", str(port),
+                             "--mode", "off", "--slots", "2", "--max-len", "64", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _read_until(proc, needle: str, timeout: float) -> list[str]:
+    """Lines of the server's output up to the first that holds `needle` (within `timeout` seconds)."""
+    lines, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, "".join(lines)
+        lines.append(line)
+        if needle in line:
+            return lines
+    raise AssertionError(f"no {needle!r} within {timeout} s: {''.join(lines)}")
+
+
+@pytest.mark.slow  # two server processes that load a model and start compiling: ~1 minute
+@pytest.mark.parametrize("moment", ["loading", "compiling"])
+def test_sigterm_while_loading_or_compiling_exits_0_without_an_abort(moment):
+    """Issue 40: SIGTERM during the load or the warm-up used to end in an abort (exit 134: the interpreter
+    finalised while XLA compiled in another thread). Now: exit 0 within seconds, no crash in the log."""
+    import signal
+
+    proc = _serve_process(_free_port(), "--warmup", "full")
+    try:
+        _read_until(proc, "loading the model" if moment == "loading" else "GET /health says ok when ready", 300)
+        if moment == "compiling":
+            time.sleep(3)  # inside the eager warm-up's compiles
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+        out = proc.stdout.read()
+        assert code == 0, out
+        assert "FATAL" not in out and "terminate called" not in out and "Traceback" not in out, out
+        assert ("while loading; stopped" if moment == "loading" else "stopped") in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
