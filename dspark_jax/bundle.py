@@ -34,7 +34,7 @@ from dspark_jax.checkpoint.safetensors_io import CheckpointError, open_checkpoin
 from dspark_jax.checkpoint.formats import check_finite
 from dspark_jax.checkpoint.trees import check_tree
 from dspark_jax.errors import UserError, read_json_file
-from dspark_jax.validation import did_you_mean
+from dspark_jax.validation import check_known_keys
 from dspark_jax.schedule import CostTable
 
 
@@ -135,9 +135,9 @@ def load_bundle(path, *, impl: str = "auto") -> Bundle:
     meta = read_json_file(meta_path, "bundle metadata")
     if not isinstance(meta, dict):
         raise UserError(f"{meta_path}: expected a JSON object")
-    _check_keys(meta, _META_KEYS, meta_path)
+    check_known_keys(meta, _META_KEYS, str(meta_path))
     if isinstance(meta.get("backbone"), dict):
-        _check_keys(meta["backbone"], _BACKBONE_KEYS, f"{meta_path} 'backbone'")
+        check_known_keys(meta["backbone"], _BACKBONE_KEYS, f"{meta_path} 'backbone'")
     for key in ("backbone", "draft"):
         if not isinstance(meta.get(key), dict):
             raise UserError(f"{meta_path}: missing key '{key}'" if key not in meta
@@ -190,14 +190,6 @@ def _bundle_paths(path: Path) -> tuple[Path, Path]:
     if meta_path.is_dir():
         raise UserError(f"{meta_path}: is a folder; expected the bundle's JSON file")
     return path, meta_path
-
-
-def _check_keys(obj: dict, valid: tuple[str, ...], where) -> None:
-    """Strict like every config reader: an unknown or misspelt key names the closest valid one."""
-    for key in obj:
-        if key not in valid:
-            raise UserError(f"{where}: unknown key '{key}'{did_you_mean(key, valid)}; expected some of "
-                            f"{', '.join(valid)}")
 
 
 def _calibration(path: Path, block_size: int) -> Calibration | None:

@@ -42,8 +42,7 @@ def check_not_an_input(out: str | os.PathLike, inputs: Iterable[tuple[str, str |
 
 
 @contextlib.contextmanager
-def replaced_on_success(path: str | os.PathLike, *, keep_partial: bool = False,
-                        binary: bool = False) -> Iterator[IO]:
+def replaced_on_success(path: str | os.PathLike, *, keep_partial: bool = False) -> Iterator[IO]:
     """with replaced_on_success("F") as f: write to f  ->  F is replaced only if the block returns.
 
     The temporary file is created now, beside F, so an unwritable folder fails before any work. When the
@@ -59,7 +58,7 @@ def replaced_on_success(path: str | os.PathLike, *, keep_partial: bool = False,
     except PermissionError:
         raise UserError(f"{target}: cannot write in {target.parent} (permission denied)") from None
     tmp = Path(tmp_name)
-    f = os.fdopen(fd, "wb" if binary else "w")
+    f = os.fdopen(fd, "w")
     try:
         yield f
         f.close()

@@ -36,6 +36,16 @@ def did_you_mean(key: str, valid) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+def check_known_keys(obj, valid, where: str | None = None) -> None:
+    """Every key of the JSON object `obj` is one of `valid`; an unknown or misspelt one is a UserError
+    naming the closest valid key (prefixed by `where`, e.g. the file)."""
+    for key in obj:
+        if key not in valid:
+            prefix = f"{where}: " if where else ""
+            raise UserError(f"{prefix}unknown key {key!r}{did_you_mean(key, valid)}; expected some of "
+                            f"{', '.join(valid)}")
+
+
 def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

@@ -202,7 +202,8 @@ def admit(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, joining:
     """Prefill the J joining rows alone (a fresh state of batch J; the LM head at each row's last prompt
     position only), draw their first tokens, and scatter the rows, their sampling facts and budgets into
     their slots. The first token goes through the same finish checks as a round's tokens (a stop id,
-    max_tokens 1, a prompt that fills the cache)."""
+    max_tokens 1, a prompt that fills the cache). The Delta's leaves have a leading [1] axis, as a one-round
+    call's: every program's output reads the same way."""
     j, b = joining.slot.shape[0], state.slots.running.shape[0]
     sub = sr.init_state(model, j, max_len)
     out = sr.backbone_forward(model, weights.backbone, sub.cache, joining.prompt,
@@ -227,9 +228,9 @@ def admit(model: sr.SpecModel, weights: sr.Weights, state: DecodeState, joining:
                            budget=jnp.where(joined, budget, s.budget))
     zeros = jnp.zeros((b,), jnp.int32)
     deferred = state.deferred._replace(count=put(state.deferred.count, jnp.zeros((j,), jnp.int32)))
+    delta = Delta(toks, n, finish, zeros, zeros, _no_conf(model, b), jnp.int32(0), jnp.asarray(False))
     return (state._replace(round=rs, slots=slots, deferred=deferred),
-            host_readable(Delta(toks, n, finish, zeros, zeros, _no_conf(model, b), jnp.int32(0),
-                                jnp.asarray(False))))
+            host_readable(jax.tree.map(lambda x: x[None], delta)))
 
 
 def _caps(model: sr.SpecModel, state: DecodeState, max_len: int) -> jax.Array:

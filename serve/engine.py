@@ -609,7 +609,7 @@ class Engine:
             self._capacity, self._plain_run, self._deferred = None, 0, 0
         rows = self._joining([lv.slot for lv in joining], [lv.request for lv in joining])
         delta = self._execute(("admit", *rows.prompt.shape), rows=rows)  # waits for its compile if need be
-        self._push("admit", delta, 1, [lv.id for lv in joining])  # one round, not stacked (see `_read`)
+        self._push("admit", delta, 1, [lv.id for lv in joining])
 
     # ---- rounds -------------------------------------------------------------------------------
     def _dispatch_round(self) -> bool:
@@ -738,10 +738,7 @@ class Engine:
         deltas = jax.device_get(pending.delta)
         waited = time.perf_counter() - t0
         for r in range(pending.rounds):
-            # An admit's delta is its one round unstacked: adding the rounds axis on device would compile
-            # small programs (broadcasts) at the first admit, outside the engine's known set.
-            d = deltas if pending.kind == "admit" else jax.tree.map(lambda x: x[r], deltas)
-            self._apply(pending, d, events)
+            self._apply(pending, jax.tree.map(lambda x: x[r], deltas), events)
         for rid in pending.emitting:
             if rid in self._live:
                 self._live[rid].in_flight -= pending.rounds

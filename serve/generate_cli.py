@@ -47,9 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_requests(lines, tokenizer, defaults, *, vocab: int, max_stop_tokens: int) -> tuple[list, dict, dict]:
-    """Raw input lines (bytes or str) -> (requests, {index: error}, {index: stop strings}); the errors are
-    for lines that could not even be turned into a request (`result_record` adds the line number to every
-    error). Request i carries id (index, its own "id") so results map back to their lines."""
+    """Raw input lines (bytes or str) -> (requests, {line index: error}, {request index: stop strings}); the
+    errors are for lines that could not even be turned into a request (`result_record` adds the line number
+    to every error). Request i carries id (line index, its own "id") so results map back to their lines."""
     from dspark_jax.serve.engine import Request
     from dspark_jax.serve.openai_api import ApiError, parse_stop
 
@@ -72,7 +72,7 @@ def parse_requests(lines, tokenizer, defaults, *, vocab: int, max_stop_tokens: i
             if strings and tokenizer is None:
                 raise ValueError("'stop': stop strings need a tokenizer; this model has none (give token ids)")
             if strings:
-                stop_strings[i] = strings
+                stop_strings[len(reqs)] = strings
             reqs.append(Request(tokens, max_tokens=rec.get("max_tokens", defaults["max_tokens"]),
                                 temperature=rec.get("temperature", defaults["temperature"]),
                                 top_k=rec.get("top_k", 0), top_p=rec.get("top_p", 1.0), seed=rec.get("seed", i),
@@ -84,9 +84,8 @@ def parse_requests(lines, tokenizer, defaults, *, vocab: int, max_stop_tokens: i
 
 def result_record(index: int, rid, result, tokenizer, text=None) -> dict:
     """One output line (`index` is the 0-based input line); `text`: the request's TextStream when it has
-    stop strings (its text is cut before the first one, and a hit ends the request as "stop")."""
-    finish = "stop" if text is not None and text.stopped else result.finish_reason
-    rec = {"line": index + 1, "id": rid, "tokens": result.tokens, "finish_reason": finish,
+    stop strings (its text is cut before the first one)."""
+    rec = {"line": index + 1, "id": rid, "tokens": result.tokens, "finish_reason": result.finish_reason,
            "error": f"line {index + 1}: {result.error}" if result.error else result.error,
            "rounds": result.rounds, "accepted": result.accepted, "tau": len(result.tokens) / max(result.rounds, 1)}
     if text is not None:
@@ -147,8 +146,7 @@ def run(args: argparse.Namespace) -> int:
                                              {"max_tokens": args.max_tokens, "temperature": args.temperature},
                                              vocab=bundle.model.backbone.vocab_size,
                                              max_stop_tokens=config.max_stop_tokens)
-        texts = {i: TextStream(bundle.tokenizer, stops[reqs[i].id[0]]) for i in range(len(reqs))
-                 if reqs[i].id[0] in stops}
+        texts = {i: TextStream(bundle.tokenizer, strings) for i, strings in stops.items()}
 
         def write(index: int, rid, result, text=None) -> None:
             out.write(json.dumps(result_record(index, rid, result, bundle.tokenizer, text)) + "\n")

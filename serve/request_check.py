@@ -14,7 +14,7 @@ import numbers
 from collections.abc import Sequence
 
 from dspark_jax.errors import UserError, json_object_line
-from dspark_jax.validation import did_you_mean
+from dspark_jax.validation import check_known_keys
 
 _SEED_LIMIT = 2 ** 32
 
@@ -119,9 +119,8 @@ def prompt_record(raw, keys: Sequence[str] | None = None) -> dict | None:
     rec = json_object_line(raw)
     if rec is None:
         return None
-    for key in rec:
-        if keys is not None and key not in keys:
-            raise UserError(f"unknown key {key!r}{did_you_mean(key, keys)}; expected some of {', '.join(keys)}")
+    if keys is not None:
+        check_known_keys(rec, keys)
     if "tokens" in rec and "prompt" in rec:
         raise UserError("give 'tokens' or 'prompt', not both")
     if "tokens" in rec:

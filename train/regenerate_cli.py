@@ -14,12 +14,12 @@ it stopped.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import sys
 
 from dspark_jax.serve.cli_common import add_model_arguments, load_model
 from dspark_jax.output_files import check_not_an_input
+from dspark_jax.train.data import expand_paths
 from dspark_jax.validation import check_output_flags
 
 
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     # Bad arguments and files raise UserError (DataError, RunConfigError, ...) naming them; the CLI
     # boundary prints one line and exits 2.
     check_output_flags(args, "out")  # before the model is built: a typo in the folder would lose the work
-    check_not_an_input(args.out, [("--data", p) for pattern in args.data for p in glob.glob(pattern) or [pattern]])
+    check_not_an_input(args.out, [("--data", p) for p in expand_paths(tuple(args.data))])
     cfg = RegenConfig(num_prompts=args.num_prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_tokens,
                       temperatures=_temperatures(args.temperatures), top_k=args.top_k, top_p=args.top_p,
                       seed=args.seed, slots=args.slots, mode=args.mode)
