@@ -29,6 +29,7 @@ from dspark_jax.checkpoint.safetensors_io import (
     CheckpointError, CheckpointReader, SafetensorsWriter, TensorSpec, open_checkpoint,
 )
 from dspark_jax.checkpoint.formats import check_finite
+from dspark_jax.checkpoint.output_folder import naming_file
 from dspark_jax.checkpoint.trees import check_tree, flatten_paths, match_table, unflatten_paths
 
 TIED = {"embed": "embed_tokens.weight", "head": "lm_head.weight"}
@@ -210,7 +211,8 @@ def load_deepspec_draft(path: str | os.PathLike, cfg=None, *, dtype: str | None 
 def _write(out_dir: Path, cfg, tensors: list[tuple[str, str, Callable[[], np.ndarray]]]) -> Path:
     """config.json + model.safetensors, one tensor in memory at a time."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    with naming_file(out_dir / "config.json"):
+        (out_dir / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     shapes = expected_tensors(cfg)
     specs = [TensorSpec(n, dt, shapes[n]) for n, dt, _ in tensors]
     index = out_dir / "model.safetensors.index.json"

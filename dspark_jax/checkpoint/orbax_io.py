@@ -79,6 +79,12 @@ def checkpoint_metadata(path: str | os.PathLike):
     path = Path(path).absolute()
     if not is_orbax_checkpoint(path):
         raise CheckpointError(f"{path}: not an Orbax checkpoint (no _CHECKPOINT_METADATA / _METADATA)")
+    items = [] if (path / "_METADATA").exists() else sorted(
+        p.name for p in path.iterdir() if p.is_dir() and (p / "_METADATA").exists())
+    if items:  # a CheckpointManager step: Orbax's metadata() only warns, and restore() fails with a long
+        # traceback about the missing _METADATA
+        raise CheckpointError(f"{path}: an Orbax CheckpointManager step holding the item folder(s) {items}, not "
+                              "one tree; pass the item folder")
     with ocp.StandardCheckpointer() as ckptr:
         meta = ckptr.metadata(path)
     tree = getattr(meta, "item_metadata", meta)

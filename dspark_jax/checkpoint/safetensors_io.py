@@ -34,6 +34,7 @@ from typing import Iterable, Iterator, Mapping
 import ml_dtypes
 import numpy as np
 
+from dspark_jax.checkpoint.output_folder import naming_file
 from dspark_jax.errors import UserError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -337,7 +338,7 @@ class SafetensorsWriter:
     """Declare every tensor up front, then `write` each one (any order); `close` checks all arrived.
 
     Writes to `<path>.partial` and renames on success, so a failed export never leaves a file that
-    looks complete.
+    looks complete; a failure (with `with`, or `abort`) removes the `.partial`, and an OSError names `path`.
     """
 
     def __init__(self, path: str | os.PathLike, specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = None):
@@ -361,11 +362,23 @@ class SafetensorsWriter:
         blob += b" " * (-len(blob) % 8)  # keeps the data buffer 8-byte aligned
         self._data_start = 8 + len(blob)
         self._tmp = self.path.with_name(self.path.name + ".partial")
-        self._f = open(self._tmp, "wb")
-        self._f.write(struct.pack("<Q", len(blob)))
-        self._f.write(blob)
-        self._f.truncate(self._data_start + self.data_bytes)
+        try:
+            self._f = open(self._tmp, "wb")
+        except OSError as err:
+            raise self._failed(err) from err
+        try:
+            self._f.write(struct.pack("<Q", len(blob)))
+            self._f.write(blob)
+            self._f.truncate(self._data_start + self.data_bytes)
+        except OSError as err:
+            self.abort()  # the constructor raised, so no `with` block will
+            raise self._failed(err) from err
         self._written: set[str] = set()
+
+    def _failed(self, err: OSError) -> OSError:
+        """`err` naming the file being written: a full disk's ENOSPC from write() or close() names none,
+        and the `.partial` name it may carry is ours (removed by then); the user knows the final name."""
+        return OSError(err.errno, err.strerror or str(err), str(self.path))
 
     def write(self, name: str, array: np.ndarray) -> None:
         spec = self.specs.get(name)
@@ -381,16 +394,23 @@ class SafetensorsWriter:
             raise CheckpointError(f"{self.path}: tensor '{name}': got {a.dtype} {list(a.shape)}, declared "
                                   f"{spec.dtype} {list(spec.shape)} (stored as {want_dtype} {list(want_shape)})")
         a = np.ascontiguousarray(a)
-        self._f.seek(self._data_start + self._offsets[name])
-        if a.nbytes:
-            self._f.write(a.reshape(-1).view(np.uint8).data)
+        try:
+            self._f.seek(self._data_start + self._offsets[name])
+            if a.nbytes:
+                self._f.write(a.reshape(-1).view(np.uint8).data)
+        except OSError as err:
+            raise self._failed(err) from err  # `with` (or the caller's abort) removes the .partial
         self._written.add(name)
 
     def close(self) -> None:
         if self._f.closed:
             return
         missing = [n for n in self.specs if n not in self._written]
-        self._f.close()
+        try:
+            self._f.close()  # flushes the buffer: a full disk often shows here, after every write() returned
+        except OSError as err:
+            self._tmp.unlink(missing_ok=True)  # `with` calls close, not abort, when the block returned
+            raise self._failed(err) from err
         if missing:
             self._tmp.unlink(missing_ok=True)
             raise CheckpointError(f"{self.path}: {len(missing)} declared tensors never written, e.g. '{missing[0]}'")
@@ -434,5 +454,6 @@ def write_index(out_dir: str | os.PathLike, weight_map: Mapping[str, str], total
                 metadata: Mapping[str, str] | None = None) -> Path:
     path = Path(out_dir) / INDEX_NAME
     body = {"metadata": {"total_size": int(total_size), **(metadata or {})}, "weight_map": dict(weight_map)}
-    path.write_text(json.dumps(body, indent=2) + "\n")
+    with naming_file(path):
+        path.write_text(json.dumps(body, indent=2) + "\n")
     return path

@@ -112,3 +112,67 @@ def test_dspark_convert_deepspec_to_bf16_orbax_and_a_serving_bundle(checkpoint, 
     res = Engine(bundle.model, bundle.weights, EngineConfig(mode="off", max_slots=2, max_len=32, progress=False)
                  ).generate([Request([5, 6, 7], max_tokens=2, id=0), Request([9], max_tokens=2, id=1)])
     assert [r.finish_reason for r in res] == ["length", "length"] and all(len(r.tokens) == 2 for r in res)
+
+
+def _tree(folder):
+    """Every path under `folder` with the bytes of each file."""
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
+
+
+def test_a_full_disk_midway_is_one_line_and_leaves_the_output_folder_as_it_was(tiny_ckpt, tmp_path, capsys,
+                                                                                monkeypatch, full_disk):
+    """Issue 40: out of disk space, `dspark convert` printed [Errno 28] naming no file and left a
+    `.partial` that made the rerun refuse the folder as "not empty". Now the line names the shard and the
+    reason, the folder is as it was (made by the run: removed again, parent too; old files under
+    --overwrite: kept byte for byte) and the rerun succeeds."""
+    from dspark_jax.cli import main
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # cli.main rewrites it
+    folder, _ = tiny_ckpt
+    cfg = tmp_path / "cfg.json"
+    TINY.to_json(cfg)
+
+    def convert(dst, *more):
+        return main(["convert", str(folder), str(dst), "--to", "bf16", "--config", str(cfg), "--quiet", *more])
+
+    small = ("--max-shard-gb", "0.00005")  # ~54 kB shards: several, so the disk fills in the middle of one
+    assert convert(tmp_path / "ref", *small) == 0
+    shards = sorted((tmp_path / "ref").glob("*.safetensors"))
+    assert len(shards) >= 3
+    room = shards[0].stat().st_size + shards[1].stat().st_size // 2  # the second shard does not fit
+    capsys.readouterr()
+
+    def fails(dst, *more):
+        full_disk(room)
+        assert convert(dst, *small, *more) == 2
+        assert capsys.readouterr().err == (f"dspark convert: cannot write {dst / shards[1].name}: No space left on "
+                                           f"device; {dst} is left as it was before this run (the partial output "
+                                           "was removed)\n")
+        monkeypatch.undo()  # the disk has room again
+        monkeypatch.setattr(sys, "argv", list(sys.argv))
+
+    fails(tmp_path / "new" / "out")
+    assert not (tmp_path / "new").exists()
+    assert convert(tmp_path / "new" / "out", *small) == 0
+    assert _tree(tmp_path / "new" / "out") == _tree(tmp_path / "ref")
+
+    (tmp_path / "empty").mkdir()
+    fails(tmp_path / "empty")
+    assert _tree(tmp_path / "empty") == {}
+
+    old = tmp_path / "old"  # a one-file conversion and a file of the user's; --overwrite replaces the former
+    assert convert(old) == 0
+    (old / "notes.txt").write_text("mine")
+    before = _tree(old)
+    fails(old, "--overwrite")
+    assert _tree(old) == before
+    assert convert(old, *small, "--overwrite") == 0
+    assert _tree(old) == {**_tree(tmp_path / "ref"), "notes.txt": b"mine"}  # the old single file is gone
+
+    # what only SIGKILL leaves (a failed run removes its staging folder) is named, not just "not empty"
+    (tmp_path / "killed" / ".dspark-convert-k3x").mkdir(parents=True)
+    capsys.readouterr()
+    assert convert(tmp_path / "killed") == 2
+    assert capsys.readouterr().err == (f"dspark convert: {tmp_path / 'killed'} holds only .dspark-convert-k3x, the "
+                                       "partial output of an interrupted dspark convert: delete it (or pass "
+                                       "--overwrite)\n")

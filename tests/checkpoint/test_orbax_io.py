@@ -56,3 +56,18 @@ def test_orbax_restore_straight_into_expert_sharding(tiny_ckpt, tmp_path):
     wrong["norm"]["scale"] = jax.ShapeDtypeStruct((3,), jnp.float32, sharding=shardings["norm"]["scale"])
     with pytest.raises(CheckpointError, match=r"leaf 'norm/scale' has shape \[64\] in the checkpoint"):
         orbax_io.restore_params(tmp_path / "ck", wrong)
+
+
+def test_a_checkpoint_manager_step_is_one_line_naming_its_items(tmp_path):
+    """A step folder of an Orbax CheckpointManager holds its items in sub-folders: Orbax read no tree from it
+    (a restore failed on the missing _METADATA with a long traceback); the error names the items to pass."""
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(tmp_path / "ckpts", item_names=("state",)) as manager:
+        manager.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": np.ones(2, np.float32)})))
+        manager.wait_until_finished()
+    step = tmp_path / "ckpts" / "3"
+    with pytest.raises(CheckpointError, match=rf"^{step}: an Orbax CheckpointManager step holding the item "
+                                              r"folder\(s\) \['state'\], not one tree; pass the item folder$"):
+        orbax_io.checkpoint_metadata(step)
+    assert orbax_io.checkpoint_metadata(step / "state")[0]["w"].shape == (2,)

@@ -3,6 +3,7 @@ package as an independent check, sharded indexes, and corrupt files that give cl
 
 from __future__ import annotations
 
+import errno
 import json
 import struct
 from pathlib import Path
@@ -73,6 +74,20 @@ def test_writer_rejects_wrong_writes(tmp_path):
     assert not list(tmp_path.iterdir())  # no partial file left behind
     with pytest.raises(CheckpointError, match="unknown dtype 'F7'"):
         TensorSpec("x", "F7", (1,))
+
+
+@pytest.mark.parametrize("at", ["header", "write", "close"])
+def test_a_full_disk_names_the_file_and_leaves_no_partial(tmp_path, full_disk, at):
+    """ENOSPC names no file: the writer names the one it writes (by its final name) and removes its
+    `.partial`, whether the disk fills on the header, on a tensor, or only when close() flushes the buffer
+    (after every write() returned: `with` then calls close, not abort)."""
+    tensors = {"a": np.ones((64, 64), np.float32), "b": np.ones((64,), np.float32)}
+    (tmp_path / "old.safetensors").write_bytes(b"kept")
+    full_disk({"header": 10, "write": 1000}.get(at, 100), at="close" if at == "close" else "write")
+    with pytest.raises(OSError) as err:
+        save_file(tmp_path / "w.safetensors", tensors)
+    assert (err.value.errno, err.value.filename) == (errno.ENOSPC, str(tmp_path / "w.safetensors"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.safetensors"]
 
 
 def _good_file(path: Path):
