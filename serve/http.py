@@ -6,38 +6,77 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streaming with `"stream": true`),
 GET /v1/models, GET /health (503 until the engine is compiled and warm), GET /metrics (Prometheus).
 Each request becomes one engine request; its tokens reach the client as the rounds that made them are
-read. A client that goes away is cancelled at once (its slot serves the next request). Errors are
-OpenAI error objects: 400 naming the field, 429 with Retry-After when every slot and the queue are
-full, 500 to the requests an engine failure hit (the loop rebuilds the engine and serves on), 503 while
-warming up or shutting down.
+read. A client that goes away is cancelled at once (its slot serves the next request; one log line).
+Errors are OpenAI error objects: 400 naming the field, 413 for a body over `max_body_bytes` (refused
+before it is read), 429 with Retry-After when every slot and the queue are full, 500 to the requests an
+engine failure hit (the loop rebuilds the engine and serves on), 503 while warming up or shutting down.
+
+Shutdown (`EngineLoop.begin_shutdown(grace)`, on SIGTERM in `dspark serve`): new requests get 503; the
+accepted ones run on for the grace period; then every handler still waiting answers at once, without
+waiting for the engine: a stream ends with an error event (code "shutting_down") and `data: [DONE]`, a
+non-streamed request (running or queued) gets a 503, and the log gets one line per request cut.
+Prompts are tokenized in a worker thread, with the GIL released, so a huge prompt does not stall the
+event loop (GET /health, the other streams).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
 import threading
 import time
 
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from dspark_jax.serve import openai_api as oa
 from dspark_jax.serve.engine import Event, Request, RequestError
 from dspark_jax.serve.loop import EngineLoop, QueueFull, ShuttingDown
 from dspark_jax.serve.metrics import ServerMetrics
 
-_POLL_S = 0.1  # how often a waiting non-streaming handler checks that its client is still there
+_POLL_S = 0.1  # how often a waiting handler checks that its client is still there and the grace is not over
+
+log = logging.getLogger("dspark_jax.serve")
 
 
 def error_response(err: oa.ApiError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
+def too_large(limit: int, size: int | None = None) -> oa.ApiError:
+    what = f"is {size} bytes" if size is not None else f"is over {limit} bytes"
+    return oa.ApiError(413, f"the request body {what}; this server accepts at most {limit} bytes "
+                       "(dspark serve --max-body-bytes)", code="request_too_large")
+
+
+def declared_length(headers) -> int | None:
+    """The Content-Length a request declares; None when it has none (a chunked body). uvicorn has refused
+    a malformed one already (400); one that still fails to parse is left to the counting read."""
+    value = headers.get("content-length")
+    return int(value) if value is not None and value.strip().isdigit() else None
+
+
+async def read_body(http: HttpRequest, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes: from its
+    Content-Length before a byte is read, else by counting while it streams in (nothing more is read)."""
+    declared = declared_length(http.headers)
+    if declared is not None and declared > limit:
+        raise too_large(limit, declared)
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def create_app(loop: EngineLoop, *, tokenizer=None, model_name: str = "dspark", default_max_tokens: int = 16,
-               metrics: ServerMetrics | None = None) -> FastAPI:
+               metrics: ServerMetrics | None = None, max_body_bytes: int = oa.DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="dspark_jax", docs_url=None, redoc_url=None)
     metrics = metrics or ServerMetrics(loop)
     app.state.loop, app.state.metrics = loop, metrics
@@ -51,9 +90,18 @@ def create_app(loop: EngineLoop, *, tokenizer=None, model_name: str = "dspark", 
             metrics.request_done(_OUTCOME_OF_STATUS[err.status])
         return error_response(err, {"Retry-After": "1"} if err.status == 429 else None)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(http: HttpRequest, _):
+        # The client left while sending its body: one line, not uvicorn's "Exception in ASGI application".
+        log.warning("request %s %s cancelled: client disconnected while sending its body", http.method,
+                    http.url.path)
+        metrics.request_done("disconnected")
+        return Response(status_code=499)  # nobody reads it; uvicorn drops what is sent to a closed connection
+
     async def read_json(http: HttpRequest) -> dict:
-        try:
-            body = json.loads(await http.body() or b"null")
+        raw = await read_body(http, max_body_bytes)
+        try:  # on the event loop: the json module holds the GIL anyway, ~10 ms for the largest body
+            body = json.loads(raw or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise oa.ApiError(400, f"the request body is not valid JSON ({err})", code="invalid_json") from None
         if not isinstance(body, dict):
@@ -71,10 +119,14 @@ def create_app(loop: EngineLoop, *, tokenizer=None, model_name: str = "dspark", 
         return oa.parse_common(body, prompt, vocab=vocab, max_len=engine_cfg.max_len,
                                max_stop_tokens=engine_cfg.max_stop_tokens, default_max_tokens=default_max_tokens)
 
+    def chat_tokens(messages) -> list[int]:
+        return oa.parse_prompt(oa.chat_prompt(messages), tokenizer, vocab, name="messages")
+
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
         body = await read_json(http)
-        prompt = oa.parse_prompt(body.get("prompt"), tokenizer, vocab)
+        # A worker thread: tokenizing a multi-MB prompt takes seconds, which must not stall the event loop.
+        prompt = await asyncio.to_thread(oa.parse_prompt, body.get("prompt"), tokenizer, vocab)
         return await serve(http, parse(body, prompt), chat=False)
 
     @app.post("/v1/chat/completions")
@@ -82,7 +134,7 @@ def create_app(loop: EngineLoop, *, tokenizer=None, model_name: str = "dspark", 
         body = await read_json(http)
         if tokenizer is None:
             raise oa.bad("messages", "this model has no tokenizer, so it cannot apply a chat template")
-        prompt = oa.parse_prompt(oa.chat_prompt(body.get("messages")), tokenizer, vocab, name="messages")
+        prompt = await asyncio.to_thread(chat_tokens, body.get("messages"))
         if "max_completion_tokens" in body and "max_tokens" not in body:
             body = {**body, "max_tokens": body["max_completion_tokens"]}
         return await serve(http, parse(body, prompt), chat=True)
@@ -134,7 +186,10 @@ def create_app(loop: EngineLoop, *, tokenizer=None, model_name: str = "dspark", 
 
 
 # The requests_total outcome of a request refused with an HTTP error.
-_OUTCOME_OF_STATUS = {400: "invalid", 404: "not_found", 429: "rejected", 503: "unavailable"}
+_OUTCOME_OF_STATUS = {400: "invalid", 404: "not_found", 413: "too_large", 429: "rejected", 503: "unavailable"}
+
+# What `_Completion._next` returns instead of an event: the client went away / the shutdown grace ran out.
+_GONE, _CUT = "client disconnected", "shutdown grace over"
 
 # The engine's Request field names that differ from the OpenAI parameter they come from.
 _API_PARAM = {"stop_tokens": "stop"}
@@ -152,15 +207,41 @@ class _Completion:
         self.generated = 0
         self.finish: str | None = None
         self.result = None
+        self._check_at = time.monotonic() + _POLL_S  # when _next next asks whether the client is there
 
-    async def _next(self, http: HttpRequest) -> Event | None:
-        """The next engine event; None if the client went away (the request is then cancelled)."""
+    async def _next(self, http: HttpRequest) -> Event | str:
+        """The next engine event; _GONE if the client went away, _CUT once the shutdown grace is over.
+        Both are checked every _POLL_S even while events flow: a request that keeps producing tokens
+        would otherwise run to its end for a client that left, or past the grace until uvicorn cuts the
+        connection mid-body."""
         while True:
+            if self.loop.grace_over:
+                return _CUT
+            now = time.monotonic()
+            if now >= self._check_at:
+                self._check_at = now + _POLL_S
+                if await http.is_disconnected():
+                    return _GONE
             try:
                 return await asyncio.wait_for(self.events.get(), _POLL_S)
             except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    return None
+                pass
+
+    def _end_early(self, why: str, outcome: str) -> None:
+        """The request ends before the engine finished it: free its slot, count it, log one line."""
+        self.loop.cancel(self.ticket)
+        self.metrics.request_done(outcome, generated=self.generated)
+        log.warning("request %s %s after %d tokens", self.rid, why, self.generated)
+
+    def _gone(self) -> None:
+        # Past the grace, uvicorn itself closes what is left: not the client's doing.
+        self._end_early("closed at shutdown" if self.loop.grace_over else "cancelled: client disconnected",
+                        "disconnected")
+
+    def _cut(self) -> oa.ApiError:
+        self._end_early("cut: the shutdown grace ran out", "cut")
+        return oa.ApiError(503, f"the server is shutting down: request {self.rid} was stopped after "
+                           f"{self.generated} tokens", code="shutting_down", type_="server_error")
 
     def _take(self, ev: Event) -> str:
         """Tokens of an event -> new text; sets `finish` when the request is over."""
@@ -195,10 +276,11 @@ class _Completion:
         parts = []
         while True:
             ev = await self._next(http)
-            if ev is None:
-                self.loop.cancel(self.ticket)
-                self.metrics.request_done("disconnected", generated=self.generated)
-                return JSONResponse({}, status_code=499)
+            if ev is _GONE:
+                self._gone()
+                return Response(status_code=499)  # nobody reads it
+            if ev is _CUT:
+                return error_response(self._cut())
             parts.append(self._take(ev))
             if ev.finish_reason:
                 break
@@ -214,13 +296,18 @@ class _Completion:
         return f"data: {json.dumps(obj)}\n\n"
 
     async def sse(self, http: HttpRequest):
-        done = False
+        done = False  # the request ended here (finished, failed or cut), not by the client leaving
         try:
             if self.chat:
                 yield self._chunk(delta={"role": "assistant", "content": ""})
             while True:
                 ev = await self._next(http)
-                if ev is None:
+                if ev is _GONE:
+                    return
+                if ev is _CUT:  # a last event the client can read, instead of a body cut off mid-stream
+                    done = True
+                    yield f"data: {json.dumps(self._cut().body())}\n\n"
+                    yield "data: [DONE]\n\n"
                     return
                 delta = self._take(ev)
                 if delta:
@@ -234,9 +321,9 @@ class _Completion:
                 yield self._chunk(text="", delta={}, finish=self.finish, extra=self._extra())
             yield "data: [DONE]\n\n"
         finally:
-            if not done:  # the client went away (or the server is stopping): free the slot now
-                self.loop.cancel(self.ticket)
-                self.metrics.request_done("disconnected", generated=self.generated)
+            # The client went away: starlette cancels this generator (or _next saw it); free the slot now.
+            if not done:
+                self._gone()
 
 
 class ThreadedServer:

@@ -4,6 +4,7 @@
     loop.start()                                   # compiles every program in the thread; loop.ready after
     ticket = loop.submit(Request(...), on_event)   # on_event(Event) is called from the loop thread
     loop.cancel(ticket)                            # the slot is freed before the next round
+    loop.begin_shutdown(grace_s=30)                # refuse new work; callers cut theirs once grace_over
     loop.shutdown(grace_s=30)                      # refuse new work, finish what runs, stop
 
 Continuous batching is the engine's: requests join free slots between rounds and every round's tokens
@@ -74,6 +75,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._numbers = itertools.count()
         self._accepting = True
+        self._grace_deadline: float | None = None  # time.monotonic() at which the shutdown grace ends
         self._stop = threading.Event()
         self.ready = threading.Event()
         self.stats = LoopStats()
@@ -116,13 +118,34 @@ class EngineLoop:
     def queue_depth(self) -> int:
         return max(0, self.accepted - self.active_slots)
 
-    def shutdown(self, grace_s: float = 30.0) -> bool:
-        """Refuse new requests, let the accepted ones finish for up to `grace_s`, cancel the rest, stop.
-        -> True when everything finished within the grace period."""
-        with self._lock:
-            self._accepting = False
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Refuse new requests from now on; the accepted ones have `grace_s` seconds (`grace_over` after).
+        Returns at once. Safe in a signal handler: it takes no lock (the interrupted thread may hold it,
+        inside submit), and both assignments are atomic. A second call can only shorten the grace."""
+        self._accepting = False
         deadline = time.monotonic() + grace_s
-        while self._tickets and time.monotonic() < deadline and self._thread.is_alive():
+        if self._grace_deadline is None or deadline < self._grace_deadline:
+            self._grace_deadline = deadline
+
+    @property
+    def stopping(self) -> bool:
+        """The server is shutting down: no new request is accepted."""
+        return not self._accepting
+
+    @property
+    def grace_over(self) -> bool:
+        """The shutdown grace has run out: whoever still waits for a request should answer it now (the
+        HTTP handlers end streams with an error event and answer 503) instead of waiting for the engine."""
+        return self._grace_deadline is not None and time.monotonic() >= self._grace_deadline
+
+    def shutdown(self, grace_s: float = 30.0) -> bool:
+        """Refuse new requests, let the accepted ones finish for up to `grace_s` (from an earlier
+        `begin_shutdown`'s start when there was one), cancel the rest, stop.
+        -> True when everything finished within the grace period."""
+        self.begin_shutdown(grace_s)
+        with self._lock:  # a submit that saw _accepting before it turned False has added its ticket by now
+            pass
+        while self._tickets and not self.grace_over and self._thread.is_alive():
             time.sleep(0.02)
         clean = not self._tickets
         self._commands.put(("cancel_all", None))

@@ -1,6 +1,7 @@
 """Prometheus metrics of `dspark serve` (GET /metrics), on a registry of the server's own.
 
-Counters: requests by outcome (stop, length, error, disconnected; refused: invalid (400), not_found (404),
+Counters: requests by outcome (stop, length, error, disconnected, cut (still running when the shutdown
+grace ran out); refused: invalid (400), not_found (404), too_large (413, body over --max-body-bytes),
 rejected (429, queue full), unavailable (503, warming up or shutting down)), prompt and generated
 tokens. Gauges read at scrape time from the engine: tau, per-position conditional acceptance, drafts
 verified per request-round, queue depth, active slots. Histogram: wall time of one engine step (one

@@ -18,6 +18,11 @@ UNSUPPORTED = {"n": 1, "logprobs": None, "echo": False, "best_of": 1, "suffix": 
                "tool_choice": None, "response_format": None}
 MAX_STOP_STRINGS = 4
 CHAT_ROLES = ("system", "user", "assistant")
+# The default largest request body (`dspark serve --max-body-bytes`; 413 beyond). A request is a prompt
+# and a few parameters: a whole context as text (~4 bytes a token) or as token ids in JSON (<= 8 bytes a
+# token) is under 1 MiB up to 128k tokens. 4 MiB leaves room for that and keeps a client from making the
+# server buffer and tokenize a body of any size.
+DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 
 class ApiError(Exception):
@@ -84,6 +89,15 @@ def check_unsupported(body: dict) -> None:
                            code="unsupported_parameter")
 
 
+def encode_text(tokenizer, text: str) -> list[int]:
+    """`text`'s token ids (no special tokens). A `tokenizers.Tokenizer`'s `encode_batch` gives the ids
+    `encode` gives but releases the GIL while it works; `encode` holds it, so a multi-MB prompt froze
+    every other thread of the server (its event loop included) for seconds, even from a worker thread."""
+    if hasattr(tokenizer, "encode_batch"):
+        return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
 def parse_prompt(prompt: Any, tokenizer, vocab: int, name: str = "prompt") -> list[int]:
     """A string (needs the tokenizer), a list of token ids, or a one-element list of either."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -91,7 +105,7 @@ def parse_prompt(prompt: Any, tokenizer, vocab: int, name: str = "prompt") -> li
     if isinstance(prompt, str):
         if tokenizer is None:
             raise bad(name, "this model has no tokenizer; send a list of token ids")
-        ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+        ids = encode_text(tokenizer, prompt)
         if not ids:
             raise bad(name, "empty; expected at least one token")
         return list(ids)

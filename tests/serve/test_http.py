@@ -3,6 +3,7 @@ the `openai` client and raw HTTP."""
 
 import functools
 import json
+import logging
 import re
 import socket
 import threading
@@ -201,13 +202,19 @@ def _open_stream(server, body):
     return cm, resp, resp.iter_lines()
 
 
+def _hold_engine(server, monkeypatch) -> threading.Event:
+    """The engine's next step waits until the returned event is set (at most 60 s)."""
+    gate = threading.Event()
+    real = server.loop.engine.step
+    monkeypatch.setattr(server.loop.engine, "step", lambda: gate.wait(60) and real())
+    return gate
+
+
 def test_a_full_queue_answers_429_and_the_accepted_requests_complete(server, monkeypatch):
     wait_idle(server.loop)
     # The engine is held until the extra request has been refused: on a fast machine the tiny model could
     # otherwise finish a held request first, free its place, and rightly accept the extra one.
-    gate = threading.Event()
-    real = server.loop.engine.step
-    monkeypatch.setattr(server.loop.engine, "step", lambda: gate.wait(60) and real())
+    gate = _hold_engine(server, monkeypatch)
     try:
         held = [_open_stream(server, {"prompt": [3, 4], "max_tokens": 80, "temperature": 1.0, "seed": i})
                 for i in range(SLOTS + QUEUE)]
@@ -236,6 +243,150 @@ def test_a_client_that_disconnects_is_cancelled_and_its_slot_reused(server):
     assert server.loop.engine.active == 0
     r = post(server, "/v1/completions", {"prompt": [3, 4], "max_tokens": 5, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+def _send_raw(url: str, head: dict, body: bytes) -> socket.socket:
+    """A POST /v1/completions written by hand (a partial body, a chunked one, a Content-Length that lies)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    lines = "".join(f"{k}: {v}\r\n" for k, v in {"Host": host, "Content-Type": "application/json", **head}.items())
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\n{lines}\r\n".encode() + body)
+    return sock
+
+
+def _read_response(sock: socket.socket) -> tuple[int, dict]:
+    """-> (status, JSON body) of the one response on `sock` (its socket timeout bounds the wait)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed before a response: {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed mid-response: {data!r}"
+        body += chunk
+    return int(head.split()[1]), json.loads(body)
+
+
+def _wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.02)
+    return found
+
+
+def _left_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "dspark_jax.serve" and "client disconnected" in r.getMessage()]
+
+
+@pytest.mark.parametrize("moment", ["streamed", "not streamed", "while sending its body"])
+def test_a_client_that_leaves_is_cancelled_with_one_log_line_and_no_traceback(server, monkeypatch, caplog, moment):
+    """Issue 40: a client that drops mid-request frees its slot and leaves exactly one log line (a drop while
+    the body was being sent was uvicorn's "Exception in ASGI application" traceback; the others, nothing)."""
+    wait_idle(server.loop)
+    caplog.set_level(logging.WARNING)
+    body = json.dumps({"prompt": [3, 4], "max_tokens": 80, "temperature": 1.0,
+                       "stream": moment == "streamed"}).encode()
+    gate = _hold_engine(server, monkeypatch)  # no token before the client leaves: the request is surely cut
+    try:
+        if moment == "while sending its body":
+            sock = _send_raw(server.url, {"Content-Length": len(body)}, body[:len(body) // 2])
+            time.sleep(0.3)  # uvicorn has started the handler, which waits for the rest of the body
+        else:
+            sock = _send_raw(server.url, {"Content-Length": len(body)}, body)
+            _wait_for(lambda: server.loop.accepted == 1, 30, "the request accepted")
+        sock.close()
+        _wait_for(lambda: _left_lines(caplog), 10, "a log line for the client that left")
+    finally:
+        gate.set()
+    wait_idle(server.loop, timeout=10)
+    time.sleep(0.3)  # a second line or a traceback, had there been one, is logged by now
+    lines = _left_lines(caplog)
+    assert len(lines) == 1, lines
+    if moment == "while sending its body":
+        assert "POST /v1/completions cancelled: client disconnected while sending its body" in lines[0]
+    else:
+        assert re.fullmatch(r"request c\S+ cancelled: client disconnected after 0 tokens", lines[0]), lines
+    assert not [r for r in caplog.records if r.exc_info or "Exception in ASGI" in r.getMessage()]
+
+
+@pytest.fixture(scope="module")
+def small_body_server(server):
+    """A second app over the fixture's engine loop that accepts bodies of at most 1000 bytes."""
+    srv = ThreadedServer(create_app(server.loop, tokenizer=tiny_tokenizer(), model_name="tiny", max_body_bytes=1000))
+    yield srv
+    srv.stop()
+
+
+def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(server, small_body_server):
+    """Issue 40: 413 (OpenAI error shape) as soon as the body is known to be too large: from Content-Length
+    before any of it arrives, by counting a chunked one; counted in the metrics as too_large."""
+    url = small_body_server.url
+    ok = httpx.post(url + "/v1/completions", json={"prompt": "x" * 900, "max_tokens": 2}, timeout=120)
+    assert ok.status_code == 400 and ok.json()["error"]["code"] == "context_length_exceeded"  # read and tokenized
+    assert httpx.post(url + "/v1/completions", json={"prompt": [3, 4], "max_tokens": 2}, timeout=120).status_code == 200
+
+    with _send_raw(url, {"Content-Length": 10 ** 9}, b'{"prompt": "') as sock:  # the rest never comes
+        status, body = _read_response(sock)
+    assert status == 413, body
+    err = body["error"]
+    assert err["code"] == "request_too_large" and err["type"] == "invalid_request_error"
+    assert "1000000000 bytes" in err["message"] and "at most 1000 bytes" in err["message"]
+
+    chunk = b'{"prompt": "' + b"x" * 600
+    with _send_raw(url, {"Transfer-Encoding": "chunked"}, b"%x\r\n%s\r\n" % (len(chunk), chunk) * 2) as sock:
+        status, body = _read_response(sock)  # 1224 bytes sent, no last chunk: the body never ends
+    assert status == 413 and body["error"]["code"] == "request_too_large", body
+    assert "over 1000 bytes" in body["error"]["message"]
+    assert _count(small_body_server, "too_large") == 2
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(server):
+    """Issue 40: tokenizing a prompt of a few MB takes seconds; GET /health answers meanwhile (the
+    tokenizer ran on the event loop, and `Tokenizer.encode` holds the GIL even in a worker thread)."""
+    source = open(CONFIGS.parent / "serve" / "engine.py").read()
+    prompt = (source * (3_500_000 // len(source) + 1))[:3_500_000]
+    body = json.dumps({"prompt": prompt, "max_tokens": 2}).encode()
+    assert len(body) < 4 << 20  # under the default body limit
+    got = {}
+
+    def big():
+        t0 = time.monotonic()
+        got["response"] = httpx.post(server.url + "/v1/completions", content=body, timeout=120)
+        got["seconds"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    waits = []
+    while thread.is_alive():
+        t0 = time.monotonic()
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        waits.append(time.monotonic() - t0)
+        time.sleep(0.02)
+    thread.join()
+    r = got["response"]
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text  # tokenized
+    assert got["seconds"] > 0.5, f"tokenizing took {got['seconds']:.2f} s: too fast to show a stalled event loop"
+    assert max(waits) < min(1.0, got["seconds"] / 3), (max(waits), got["seconds"], len(waits))
+
+
+def test_max_body_bytes_is_checked_and_uvicorn_outlasts_the_grace():
+    import argparse
+
+    from dspark_jax.errors import UserError
+    from dspark_jax.serve import serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    assert parser.parse_args([]).max_body_bytes == 4 << 20
+    with pytest.raises(UserError, match="--max-body-bytes: expected an integer >= 1, got 0"):
+        serve_cli.check_args(parser.parse_args(["--max-body-bytes", "0"]))
+    for grace in (0.0, 0.5, 1.0, 30.0):  # the handlers get >= 1 s after the grace to write their last event
+        assert serve_cli.uvicorn_grace_s(grace) >= grace + 1
 
 
 def test_an_engine_failure_answers_500_and_the_server_recovers(server, monkeypatch):
@@ -384,3 +535,59 @@ def test_sigterm_while_loading_or_compiling_exits_0_without_an_abort(moment):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _load(url: str) -> tuple[int, int]:
+    """(requests running, requests queued) as GET /health reports them."""
+    health = httpx.get(url + "/health", timeout=5).json()
+    return health["active"], health["queued"]
+
+
+@pytest.mark.slow  # a server process that loads the model and compiles at its first request: ~1 minute
+def test_past_the_grace_sigterm_ends_a_stream_with_an_error_event_and_a_queued_request_with_503():
+    """Issue 40: once --grace runs out, a stream still running ends with an OpenAI error event then
+    [DONE] (it was cut mid-body), a queued non-streamed request gets 503 shutting_down, the log has one
+    line per cut request and no traceback, and the process exits 0."""
+    import signal
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _serve_process(port, "--slots", "1", "--max-len", "4096", "--grace", "0.5", "--warmup", "none")
+    queued = {}
+
+    def send_queued():
+        queued["r"] = httpx.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 8}, timeout=120)
+
+    try:
+        _wait_for(lambda: httpx_status(url + "/health") == 200 or proc.poll() is not None, 300, "ready")
+        assert proc.poll() is None, proc.stdout.read()
+        # Compile what the long request runs, so that the grace runs out while it generates.
+        warm = {"prompt": [3, 4], "max_tokens": 8, "temperature": 1.0}
+        assert httpx.post(url + "/v1/completions", json=warm, timeout=600).status_code == 200
+        with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                          json={**warm, "max_tokens": 4000, "stream": True}) as r:
+            assert r.status_code == 200
+            thread = threading.Thread(target=send_queued)
+            thread.start()
+            _wait_for(lambda: _load(url) == (1, 1), 30, "one request running and one queued")
+            proc.send_signal(signal.SIGTERM)
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        thread.join(60)
+        code = proc.wait(60)
+        out = proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, out
+    assert events[-1] == "data: [DONE]", events
+    err = json.loads(events[-2][6:])["error"]
+    assert err["code"] == "shutting_down" and err["type"] == "server_error", err
+    stream_id, generated = re.search(r"request (\S+) was stopped after (\d+) tokens", err["message"]).groups()
+    assert 0 < int(generated) < 4000, err  # cut mid-generation
+    q = queued["r"]
+    assert q.status_code == 503 and q.json()["error"]["code"] == "shutting_down", q.text
+    queued_id = re.search(r"request (\S+) was stopped after 0 tokens", q.json()["error"]["message"]).group(1)
+    for rid in (stream_id, queued_id):
+        cut = [line for line in out.splitlines() if rid in line]
+        assert len(cut) == 1 and "cut: the shutdown grace ran out" in cut[0], out
+    assert "Traceback" not in out and "Exception in ASGI" not in out and "graceful shutdown exceeded" not in out, out
