@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dspark_jax import assets
 from dspark_jax import configs
+from dspark_jax import user_cache
 from dspark_jax.errors import UserError
 
 
@@ -23,6 +24,18 @@ def add_compile_argument(parser: argparse.ArgumentParser) -> None:
                         help="when the engine's programs compile: all before the first request (eager, the "
                              "default: no later request waits for a compile), in the background while serving "
                              "with what is compiled (background), each on first use (lazy)")
+
+
+def add_compile_cache_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                        help="JAX's persistent compilation cache: a second run loads the programs instead of "
+                             "compiling them (default: $XDG_CACHE_HOME/dspark/xla, else ~/.cache/dspark/xla; "
+                             "$DSPARK_COMPILE_CACHE overrides; 'off' disables)")
+
+
+def enable_compile_cache(args) -> None:
+    """The cache --compile-cache names (dspark_jax/user_cache.py); refused now when unusable."""
+    user_cache.enable_compile_cache(user_cache.compile_cache_dir(args.compile_cache))
 
 
 def compile_option(args) -> dict:

@@ -22,7 +22,8 @@ import sys
 
 from dspark_jax.errors import UserError
 from dspark_jax.output_files import check_not_an_input, replaced_on_success
-from dspark_jax.serve.cli_common import add_compile_argument, add_model_arguments, compile_option, load_model
+from dspark_jax.serve.cli_common import (add_compile_argument, add_compile_cache_argument, add_model_arguments,
+                                         compile_option, enable_compile_cache, load_model)
 from dspark_jax.serve.request_check import PROMPT_LINE_KEYS, check_length_and_temperature, prompt_record
 from dspark_jax.validation import check_int_flags, flag_name
 
@@ -30,6 +31,7 @@ from dspark_jax.validation import check_int_flags, flag_name
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_compile_argument(parser)
+    add_compile_cache_argument(parser)
     parser.add_argument("--prompts", required=True, help="input JSONL")
     parser.add_argument("--out", default="-", help="output JSONL (default stdout)")
     parser.add_argument("--mode", default="off", choices=("off", "fixed", "sync", "async", "plain"))
@@ -136,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
     check_defaults(args)
     with open(args.prompts, "rb") as f:
         lines = f.read().splitlines()
+    enable_compile_cache(args)  # an unusable folder is refused before anything is written
     with output_stream(args) as out:
         mesh = _mesh(args)
         bundle = load_model(args)

@@ -12,16 +12,14 @@ table is made monotone by CostTable (with a warning) if noise demands it.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
 from dspark_jax import spec_round as sr
+from dspark_jax import user_cache
 from dspark_jax.schedule import CostTable, width_buckets
 from dspark_jax.serve.engine import Engine, EngineConfig, Request
 
@@ -80,24 +78,20 @@ def profile_cost_table(model: sr.SpecModel, weights: sr.Weights, *, slots: int, 
 
 
 def cached_cost_table(bundle, *, slots: int, max_len: int, progress: bool = True) -> tuple[CostTable, str]:
-    """The bundle's cost table for this platform, slot count and cache length: measured once, then read
-    back. Stored beside the bundle (`<bundle>/cost_tables/`) when that folder is writable, else under
-    ~/.cache/dspark_jax/. -> (table, where it came from)."""
-    name = f"{jax.devices()[0].platform}_{slots}x{max_len}.json"
-    places = []
-    if bundle.path is not None:
-        places.append(Path(bundle.path) / "cost_tables")
-        digest = hashlib.sha1(str(Path(bundle.path).resolve()).encode()).hexdigest()[:12]
-        places.append(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dspark_jax" / digest)
-    for place in places:
-        if (place / name).is_file():
-            return CostTable.from_json(place / name), f"cached {place / name}"
+    """The bundle's cost table for this machine, slot count and cache length: measured once, then read
+    back from the user's cache folder (dspark_jax/user_cache.py: keyed by the bundle's content, the machine
+    and the shape; nothing is written inside the bundle or the package). A bundle without a folder (random
+    weights) is measured every time. -> (table, where it came from)."""
+    if bundle.path is None:
+        table = profile_cost_table(bundle.model, bundle.weights, slots=slots, max_len=max_len, progress=progress)
+        return table, "measured now (a bundle without a folder is not cached)"
+    path = user_cache.cost_table_path(bundle.path, jax.devices()[0], slots=slots, max_len=max_len)
+    if path.is_file():
+        return CostTable.from_json(path), f"cached {path}"
     table = profile_cost_table(bundle.model, bundle.weights, slots=slots, max_len=max_len, progress=progress)
-    for place in places:
-        try:
-            place.mkdir(parents=True, exist_ok=True)
-            table.to_json(place / name)
-            return table, f"measured now, cached at {place / name}"
-        except OSError:
-            continue
-    return table, "measured now (no writable cache folder)"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        table.to_json(path)
+    except OSError as err:
+        return table, f"measured now (not cached: {path}: {err.strerror})"
+    return table, f"measured now, cached at {path}"

@@ -1,11 +1,14 @@
 """`dspark serve`: the OpenAI-compatible HTTP server (see serve/http.py; README "Serving over HTTP").
 
     dspark serve --bundle DIR [--host 127.0.0.1] [--port 8000] [--mode async] [--slots 8] [--max-len 512]
-                 [--max-queue 64]
+                 [--max-queue 64] [--grace 30] [--max-body-bytes 4194304]
 
 Binds to loopback unless --host says otherwise; the port is bound before the model loads (a busy port
 fails at once). SIGTERM / Ctrl-C: while loading, stop at once; while serving or compiling, stop accepting,
-let the requests in flight finish for up to --grace seconds, exit 0 (a compile in progress is abandoned).
+let the requests in flight finish for up to --grace seconds, then end each one still running with an
+error (an SSE error event then [DONE]; 503 when not streamed), exit 0 (a compile in progress is abandoned).
+The compiled programs are kept in the user's cache (--compile-cache, dspark_jax/user_cache.py): a second
+start loads them instead of compiling.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import math
 import os
 import signal
 import socket
@@ -20,7 +24,9 @@ import sys
 import threading
 
 from dspark_jax.errors import UserError
-from dspark_jax.serve.cli_common import add_model_arguments, load_model
+from dspark_jax.serve.cli_common import (add_compile_cache_argument, add_model_arguments, enable_compile_cache,
+                                         load_model)
+from dspark_jax.serve.openai_api import DEFAULT_MAX_BODY_BYTES
 from dspark_jax.validation import check_int_flags, check_number_flags
 
 
@@ -43,10 +49,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compile before /health says ready: every program (full; compile policy 'eager'), "
                              "a greedy and a sampled request's, the rest in the background while serving (quick; "
                              "'background'), nothing: each program compiles when first needed (none; 'lazy')")
-    parser.add_argument("--compile-cache", default=None, metavar="DIR",
-                        help="JAX's persistent compilation cache: a restart loads the programs instead of "
-                             "compiling them")
-    parser.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
+    add_compile_cache_argument(parser)
+    parser.add_argument("--grace", type=float, default=30.0,
+                        help="seconds in-flight requests get at shutdown; those still running after it end with "
+                             "an error (code shutting_down)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="largest request body accepted, else 413 before it is read (default 4 MiB: a "
+                             "128k-token prompt as text or token ids is under 1 MiB; the limit keeps a client "
+                             "from making the server buffer and tokenize any size)")
     parser.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
 
 
@@ -55,31 +65,24 @@ def check_args(args) -> None:
     started, after the model had loaded)."""
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port: expected a port in [0, 65535], got {args.port}")
-    check_int_flags(args, "slots", "max_tokens")
+    check_int_flags(args, "slots", "max_tokens", "max_body_bytes")
     check_int_flags(args, "max_len", minimum=8)
     check_int_flags(args, "max_queue", "num_verify", minimum=0)
-    check_number_flags(args, "grace")  # seconds; uvicorn's shutdown timeout is int(round(grace))
+    check_number_flags(args, "grace")  # seconds; uvicorn's shutdown timeout is uvicorn_grace_s(grace)
+
+
+# Seconds the HTTP handlers get, after the loop's grace, to write their last event (they see the grace end
+# within http._POLL_S): uvicorn's own shutdown timeout must end after that, or it cuts the streams mid-body.
+ANSWER_MARGIN_S = 2.0
+
+
+def uvicorn_grace_s(grace: float) -> int:
+    """uvicorn's timeout_graceful_shutdown (whole seconds) for the loop's --grace."""
+    return math.ceil(grace + ANSWER_MARGIN_S)
 
 
 # The engine's compile policy (serve/compiling.py) that goes with each --warmup.
 WARMUP_POLICY = {"full": "eager", "quick": "background", "none": "lazy"}
-
-
-def enable_compile_cache(directory: str) -> None:
-    """Every compiled program (any compile time) is written to and read from `directory`; one that cannot
-    be made is refused now (JAX would only warn at each compile and serve without the cache)."""
-    import jax
-
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"--compile-cache {directory}: cannot make the folder ({err.strerror})") from None
-    if not os.access(directory, os.W_OK):
-        raise UserError(f"--compile-cache {directory}: the folder is not writable")
-
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _cost_table(args, bundle):
@@ -119,7 +122,7 @@ def build_app(args):
     metrics.attach(loop)
     name = args.model_name or (bundle.path.name if bundle.path is not None else "dspark-random-tiny")
     app = create_app(loop, tokenizer=bundle.tokenizer, model_name=name, default_max_tokens=args.max_tokens,
-                     metrics=metrics)
+                     metrics=metrics, max_body_bytes=args.max_body_bytes)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -155,8 +158,7 @@ def _raise_stopped(signum, _frame):
 
 def run(args: argparse.Namespace) -> int:
     check_args(args)
-    if args.compile_cache:
-        enable_compile_cache(args.compile_cache)
+    enable_compile_cache(args)  # before the port and the load: an unusable cache folder is refused at once
     sock = bind_port(args.host, args.port)
     port = sock.getsockname()[1]  # --port 0: the one the system chose
     previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -164,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        app, _ = build_app(args)
+        app, loop = build_app(args)
     except _Stopped as stop:
         sock.close()
         print(f"dspark serve: {stop} while loading; stopped", file=sys.stderr, flush=True)
@@ -179,8 +181,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"dspark serve: http://{args.host}:{port}/v1 (compiling; GET /health says ok when ready)",
           file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
-                            timeout_graceful_shutdown=max(1, int(round(args.grace))))
-    serve_until_stopped(config, sock)
+                            timeout_graceful_shutdown=uvicorn_grace_s(args.grace))
+    log_requests_to_stderr(args.log_level)
+    # The grace starts at the signal, not when uvicorn (after its own timeout) runs the lifespan shutdown.
+    serve_until_stopped(config, sock, on_stop=lambda: loop.begin_shutdown(args.grace))
     exit_now_if_compiling()
     return 0
 
@@ -199,14 +203,27 @@ def exit_now_if_compiling() -> None:
     os._exit(0)
 
 
-def serve_until_stopped(config, sock: socket.socket) -> None:
+def log_requests_to_stderr(level: str) -> None:
+    """The HTTP layer's lines (a request cut at shutdown, a client that left) on stderr, as ours."""
+    logger = logging.getLogger("dspark_jax.serve")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("dspark serve: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+
+def serve_until_stopped(config, sock: socket.socket, on_stop=None) -> None:
     """uvicorn.Server.run on `sock`, except that a SIGTERM ends the process with exit 0: uvicorn re-raises
     the signal that stopped it once it has shut down (the process would end "killed by SIGTERM"), but
-    SIGTERM is how a server is asked to stop, and a clean stop is a success."""
+    SIGTERM is how a server is asked to stop, and a clean stop is a success. `on_stop()` is called in
+    the signal handler (SIGTERM or SIGINT), before uvicorn stops accepting."""
     import uvicorn
 
     class GracefulServer(uvicorn.Server):
         def handle_exit(self, sig, frame):
+            if on_stop is not None:
+                on_stop()
             super().handle_exit(sig, frame)
             if sig == signal.SIGTERM:
                 self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]

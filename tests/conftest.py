@@ -19,6 +19,12 @@ sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
 # compiling all of them ahead of time (the default policy, serve/compiling.py) would multiply the suite's
 # time. Tests of the compile policies name theirs. Subprocesses (the CLI tests) inherit it.
 os.environ.setdefault("DSPARK_COMPILE", "lazy")
+# No persistent compilation cache (dspark_jax/user_cache.py): a cache enabled in the pytest process stays on
+# for every later test, and loads from it would replace the compiles that tests count. What tests write to
+# the user's cache folder (measured cost tables) stays in this checkout (both CI steps share it), not in
+# the real home. Subprocesses inherit both.
+os.environ.setdefault("DSPARK_COMPILE_CACHE", "off")
+os.environ["XDG_CACHE_HOME"] = str(_ROOT / ".pytest_cache" / "user_cache")
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:

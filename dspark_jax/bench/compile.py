@@ -134,10 +134,9 @@ def child(bundle, args) -> dict:
     """Part 2 in this (fresh) process: async, --first-run-slots requests at T = 1."""
     from dspark_jax.serve.compiling import compiles_so_far  # noqa: PLC0415
 
-    if args.cache_dir:
-        from dspark_jax.serve.serve_cli import enable_compile_cache  # noqa: PLC0415
+    from dspark_jax import user_cache  # noqa: PLC0415
 
-        enable_compile_cache(args.cache_dir)
+    user_cache.enable_compile_cache(args.cache_dir)  # None: off (a first run compiles everything)
     compiles_so_far()  # start counting
     slots = args.first_run_slots
     engine = _engine(bundle, slots, "async", args.max_len, args.child)
@@ -175,6 +174,7 @@ def first_run_rows(args) -> list[dict]:
         base += ["--bundle", args.bundle]
     env = {**os.environ}
     env.pop("DSPARK_COMPILE", None)
+    env["DSPARK_COMPILE_CACHE"] = "off"  # a first run compiles: the user's cache would load programs
     for policy in policies:
         with tempfile.TemporaryDirectory() as cache:
             runs = 2 if policy == "eager+cache" else 1
