@@ -7,6 +7,9 @@ compiles inside it, tokens/s. The table gives call 1 (it compiles, unless an ear
 same shape already did), the median of the later calls, their worst / median (target <= 1.3) and the
 compiles after call 1 (target 0), and async vs plain on the later calls' median tokens/s.
 
+Part 1b, side by side: the same ratio with a plain and an async engine alive at once and their calls
+alternated (lazy policy, after a warm-up call each), so that a slow spell of the machine hits both alike.
+
 Part 2, first run per policy (`--policies`; each in a fresh process, so nothing is compiled yet): one
 engine (async, `--first-run-slots` slots, T = 1) serves the same requests `--calls` times: time to the first
 token, time until every program is compiled ("ready": eager before its first token, background when
@@ -123,6 +126,38 @@ def steady_rows(bundle, args) -> list[dict]:
     return rows
 
 
+def side_by_side_rows(bundle, args) -> list[dict]:
+    """Async / plain tokens/s with the two engines' calls alternated, so that a slow spell of this shared
+    machine hits both alike (part 1 times one engine after the other, minutes apart). Both engines live at
+    once, so they compile lazily: their whole eager program sets would not fit in XLA:CPU's memory maps
+    together. A warm-up call per engine and temperature compiles what these requests use (the same
+    executables the eager policy compiles: a program is its key); the timed calls then compile nothing."""
+    from dspark_jax.serve.compiling import release_programs  # noqa: PLC0415  (jax)
+
+    rows = []
+    for slots in int_list_flag(args, "batches"):
+        engines = {mode: _engine(bundle, slots, mode, args.max_len, "lazy") for mode in ("plain", "async")}
+        for temp in (0.0, 1.0):
+            reqs = _requests(bundle, args.requests, args.max_tokens, temp)
+            for engine in engines.values():
+                timed_call(engine, reqs)
+            calls = {mode: [] for mode in engines}
+            for _ in range(args.calls):
+                for mode, engine in engines.items():
+                    calls[mode].append(timed_call(engine, reqs))
+            speed = {mode: statistics.median(c["tok_per_s"] for c in cs) for mode, cs in calls.items()}
+            row = {"batch": slots, "temperature": temp, "plain_tok_per_s": speed["plain"],
+                   "async_tok_per_s": speed["async"], "async_over_plain": speed["async"] / speed["plain"],
+                   "compiles": sum(c["compiles"] for cs in calls.values() for c in cs)}
+            rows.append(row)
+            print(f"batch {slots:>2} T={temp:.0f}: async / plain tokens/s, {args.calls} calls each alternated: "
+                  f"{row['async_over_plain']:.2f}x ({speed['async']:.0f} / {speed['plain']:.0f} tok/s, "
+                  f"{row['compiles']} compiles)", flush=True)
+        del engines
+        release_programs()
+    return rows
+
+
 def _steady_line(r: dict) -> str:
     return (f"batch {r['batch']:>2} {r['mode']:<5} T={r['temperature']:.0f}  call 1 {r['first_call_s']:7.2f} s "
             f"({r['first_call_compiles']:>2} compiles)  later median {r['median_s']:.3f} s, worst/median "
@@ -219,6 +254,9 @@ def run(args: argparse.Namespace) -> int:
             if "async_over_plain" in r:
                 print(f"batch {r['batch']:>2} T={r['temperature']:.0f}: async / plain tokens/s on the later calls "
                       f"{r['async_over_plain']:.2f}x")
+        print(f"part 1b: async / plain side by side (both engines live, compile policy lazy, a warm-up call each, "
+              f"then {args.calls} calls each, alternated)")
+        rows["side_by_side"] = side_by_side_rows(bundle, args)
     print(f"part 2: the first run of each policy (fresh process; async, {args.first_run_slots} slots, T = 1)")
     rows["first_run"] = first_run_rows(args)
     if args.json:
