@@ -34,8 +34,13 @@ def add_compile_cache_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def enable_compile_cache(args) -> None:
-    """The cache --compile-cache names (dspark_jax/user_cache.py); refused now when unusable."""
-    user_cache.enable_compile_cache(user_cache.compile_cache_dir(args.compile_cache))
+    """The cache --compile-cache names (dspark_jax/user_cache.py); refused now when unusable. The engine's
+    own program store (serve/program_store.py) lives in its subfolder `dspark-programs`."""
+    directory = user_cache.compile_cache_dir(args.compile_cache)
+    user_cache.enable_compile_cache(directory)
+    from dspark_jax.serve import program_store  # noqa: PLC0415  (jax: the flags parse without it)
+
+    program_store.enable(None if directory is None else directory / program_store.FOLDER)
 
 
 def compile_option(args) -> dict:

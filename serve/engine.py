@@ -59,6 +59,7 @@ from dspark_jax.errors import UserError
 from dspark_jax.schedule import CostTable, width_buckets
 from dspark_jax.serve import compiling
 from dspark_jax.serve import decode_state as ds
+from dspark_jax.serve import program_store
 from dspark_jax.serve.request_check import Request, RequestError, check_request  # noqa: F401 (re-exported)
 from dspark_jax.validation import ConfigError
 
@@ -268,6 +269,12 @@ def scheduling_table(model: sr.SpecModel, weights: sr.Weights, config: EngineCon
     return cost_table
 
 
+def _static_count(fn) -> int:
+    """Leading static arguments of a decode program (the model), which a compiled program is called without
+    (as it is without the keyword options: all static)."""
+    return 0 if fn is ds.EVICT else 1
+
+
 class Engine:
     def __init__(self, model: sr.SpecModel, weights: sr.Weights, config: EngineConfig = EngineConfig(),
                  cost_table: CostTable | None = None, mesh=None):
@@ -293,6 +300,7 @@ class Engine:
         self._pending: collections.deque[_Pending] = collections.deque()
         self._events: list[Event] = []  # produced outside step() (cancel), handed out by the next step()
         self._capacity: int | None = None  # async: the last capacity read back (None = none yet)
+        self._capacity_rows = 0  # async: how many rows the round that gave it ran
         self._plain_run = 0  # async: plain steps since the last speculative round
         self._probe_pending = False  # async: a probe dispatched whose capacity is not read yet
         self._probe_floor = probe_interval_floor(cost_table, config.max_slots, self.k)
@@ -303,6 +311,10 @@ class Engine:
         self._started = False  # the policy's work began (at the first step with work)
         self._background: compiling.BackgroundCompiler | None = None
         self._state_shapes = None  # the state's shapes and shardings: what ahead-of-time compiles read
+        # Programs kept on disk under their own key (serve/program_store.py): a second process loads them
+        # without tracing. Single-device only; a mesh engine relies on JAX's persistent cache.
+        self._store = program_store.current() if mesh is None else None
+        self._executables: dict[tuple, jax.stages.Compiled] = {}  # key -> program from / for the store
 
     # ---- requests -----------------------------------------------------------------------------
     def validate(self, req: Request) -> Request:
@@ -409,6 +421,7 @@ class Engine:
     #   ("spec", rounds, width, mode, filtering)
     #   ("catch_up", width)
     #   ("evict",)
+    # With a program store, the dispatcher calls the stored executable (`_executables`) instead.
     def programs(self) -> list[tuple]:
         """Every program the dispatcher can pick, in the order a first request needs them (admits by
         size, the plain steps, catch-ups, then the speculative rounds narrow to wide)."""
@@ -469,9 +482,12 @@ class Engine:
 
     def _execute(self, key: tuple, rows=None):
         """Dispatch program `key` on the engine's state; -> its output besides the new state."""
+        if self._store is not None and key not in self._executables:
+            self._compile(key)  # from the store, else compiled now and stored (lazy, or needed at once)
         fn, args, kwargs = self._call(key, rows=rows)
         self._compiled.add(key)  # compiled now if it was not (lazy, or a program the dispatcher needed)
-        out = fn(*args, **kwargs)
+        program = self._executables.get(key)
+        out = fn(*args, **kwargs) if program is None else program(*args[_static_count(fn):])
         if key[0] in ("evict", "catch_up"):
             self._state = out
             return None
@@ -483,8 +499,21 @@ class Engine:
         which the dispatcher may be donating meanwhile."""
         with self._mesh_context():
             fn, args, kwargs = self._call(key, state=self._state_shapes)
-            fn.lower(*args, **kwargs).compile()
+            if self._store is None:
+                fn.lower(*args, **kwargs).compile()  # into JAX's cache, which the jitted call then hits
+            else:
+                self._executables[key] = self._stored_program(fn, args, kwargs)
         self._compiled.add(key)
+
+    def _stored_program(self, fn, args: tuple, kwargs: dict) -> jax.stages.Compiled:
+        """The program of `fn` on `args` from the store (no trace, no lowering), else compiled and stored."""
+        n = _static_count(fn)
+        key = program_store.program_key(fn.__name__, (args[:n], sorted(kwargs.items())), args[n:])
+        program = self._store.load(key)
+        if program is None:
+            program = fn.lower(*args, **kwargs).compile()
+            self._store.save(key, program)
+        return program
 
     def _compile_missing(self, progress: bool) -> None:
         missing = [k for k in self.programs() if k not in self._compiled]
@@ -606,7 +635,13 @@ class Engine:
             # Nobody else runs: the last capacity described other requests, and no row has deferred
             # positions (admit resets them). A fresh start also serves the same requests the same way
             # as the previous time, so the programs it runs are the ones already compiled.
-            self._capacity, self._plain_run, self._deferred = None, 0, 0
+            # A capacity of 0 read on as many rows stays: at the same batch size verifying did not pay
+            # (the cost table's economics are per batch size), so the new rows start on plain steps and
+            # are probed after the floor of plain steps, as rows joining a running batch are. A probe at
+            # once would cost a full-width round per call for nothing (batch 8 on this CPU: 3% of a call).
+            keep = self._capacity == 0 and self._capacity_rows == len(joining)
+            self._capacity = 0 if keep else None
+            self._plain_run, self._deferred = 0, 0
         rows = self._joining([lv.slot for lv in joining], [lv.request for lv in joining])
         delta = self._execute(("admit", *rows.prompt.shape), rows=rows)  # waits for its compile if need be
         self._push("admit", delta, 1, [lv.id for lv in joining])
@@ -756,7 +791,7 @@ class Engine:
                               ("num_accepted", d.num_accepted)):
                 self.records[name].append(col[active])
         if pending.kind == "spec" and self.config.mode == "async":
-            self._update_capacity(int(d.capacity))
+            self._update_capacity(int(d.capacity), rows=int(active.sum()))
         for s in np.flatnonzero(active | (d.finish > 0)):
             rid = pending.owners[s]
             lv = self._live.get(rid)
@@ -777,13 +812,14 @@ class Engine:
                     self._owner[lv.slot] = None
             events.append(Event(rid, lv.request.id, toks, reason, result=lv.result if reason else None))
 
-    def _update_capacity(self, capacity: int) -> None:
-        """Async: the capacity read back; a zero after a probe doubles the probe interval (bounded)."""
+    def _update_capacity(self, capacity: int, rows: int) -> None:
+        """Async: the capacity read back from a round of `rows` rows; a zero after a probe doubles the
+        probe interval (bounded)."""
         if capacity == 0 and self._capacity == 0:
             self._probe_every = min(2 * self._probe_every, _MAX_PROBE_INTERVAL)
         elif capacity > 0:
             self._probe_every = self._probe_floor
-        self._capacity = capacity
+        self._capacity, self._capacity_rows = capacity, rows
         self._probe_pending = False
 
     def take_records(self) -> dict[str, np.ndarray]:

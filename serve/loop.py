@@ -22,11 +22,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import queue
+import sys
 import threading
 import time
 import traceback
 from typing import Callable
 
+from dspark_jax.serve import program_store
 from dspark_jax.serve.engine import Engine, Event, Request, RequestError, Result
 
 
@@ -186,7 +188,10 @@ class EngineLoop:
         one greedy and one sampled request run (the rest compile in the background while serving, policy
         "background", see serve_cli.WARMUP_POLICY)."""
         if self._warmup == "full":
-            self.engine.warm_up()
+            n = self.engine.warm_up()
+            store = program_store.current()
+            print(f"dspark serve: warm-up done, {n} programs" + (f" ({store.summary()})" if store else ""),
+                  file=sys.stderr, flush=True)
             return
         vocab = self.engine.vocab
         reqs = [Request([1 % vocab, 2 % vocab], max_tokens=2 * self.engine.k + 2, temperature=t, seed=0)

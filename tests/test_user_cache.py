@@ -74,7 +74,8 @@ def test_a_bundle_without_a_folder_is_measured_and_not_cached(monkeypatch, tmp_p
 
 @pytest.mark.parametrize("flag", [None, "off"])
 def test_generate_compiles_into_the_user_cache_unless_off(tmp_path, flag):
-    """The default of a real run (no $DSPARK_COMPILE_CACHE): programs land in <XDG_CACHE_HOME>/dspark/xla."""
+    """The default of a real run (no $DSPARK_COMPILE_CACHE): programs land in <XDG_CACHE_HOME>/dspark/xla, and
+    in the engine's program store inside it."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"tokens": [1, 2, 3], "max_tokens": 2}) + "\n")
     env = {k: v for k, v in os.environ.items() if k != "DSPARK_COMPILE_CACHE"}
@@ -88,4 +89,5 @@ def test_generate_compiles_into_the_user_cache_unless_off(tmp_path, flag):
     if flag == "off":
         assert not cache.exists()
     else:
-        assert cache.is_dir() and len(list(cache.iterdir())) >= 2  # the admit and the plain step, at least
+        assert cache.is_dir() and len(list(cache.glob("*-cache"))) >= 2  # the admit and the plain step, at least
+        assert len(list((cache / "dspark-programs").glob("*.program"))) >= 2  # the engine's own store too

@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help=f"part 2: comma-separated, from {POLICIES}; 'none' skips part 2")
     parser.add_argument("--first-run-slots", type=int, default=1, help="part 2's slots (= requests)")
-    parser.add_argument("--skip-steady", action="store_true", help="skip part 1")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help="comma-separated parts to run: steady (part 1), side (part 1b), first (part 2)")
     parser.add_argument("--json", default=None, help="write every row as JSON here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # part 2's per-process run
     parser.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
@@ -231,12 +232,24 @@ def _first_run_line(r: dict) -> str:
             f"{r['calls_s']} s, compiles {r['compiles']} ({r['programs']} programs)")
 
 
+PARTS = ("steady", "side", "first")
+
+
+def parts_flag(args) -> list[str]:
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    for p in parts:
+        if p not in PARTS:
+            raise UserError(f"--parts: unknown part {p!r}; expected a comma-separated list from {PARTS}")
+    return parts
+
+
 def run(args: argparse.Namespace) -> int:
     # Every flag before the model loads: a typo answers at once, not after half an hour of compiles.
     check_int_flags(args, "requests", "max_tokens", "max_len", "calls", "first_run_slots")
     check_output_flags(args, "json")
     int_list_flag(args, "batches")
     policies_flag(args)
+    parts = parts_flag(args)
     if args.calls < 2:
         raise UserError(f"--calls: expected >= 2 (call 1 compiles; the later ones are timed), got {args.calls}")
     from dspark_jax.serve.cli_common import load_model  # noqa: PLC0415  (jax)
@@ -246,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(child(bundle, args)), flush=True)
         return 0
     rows = {}
-    if not args.skip_steady:
+    if "steady" in parts:
         print(f"part 1: steady state, {args.calls} generate calls per engine, each {args.requests} requests x "
               f"{args.max_tokens} tokens")
         rows["steady"] = steady_rows(bundle, args)
@@ -254,11 +267,13 @@ def run(args: argparse.Namespace) -> int:
             if "async_over_plain" in r:
                 print(f"batch {r['batch']:>2} T={r['temperature']:.0f}: async / plain tokens/s on the later calls "
                       f"{r['async_over_plain']:.2f}x")
+    if "side" in parts:
         print(f"part 1b: async / plain side by side (both engines live, compile policy lazy, a warm-up call each, "
               f"then {args.calls} calls each, alternated)")
         rows["side_by_side"] = side_by_side_rows(bundle, args)
-    print(f"part 2: the first run of each policy (fresh process; async, {args.first_run_slots} slots, T = 1)")
-    rows["first_run"] = first_run_rows(args)
+    if "first" in parts:
+        print(f"part 2: the first run of each policy (fresh process; async, {args.first_run_slots} slots, T = 1)")
+        rows["first_run"] = first_run_rows(args)
     if args.json:
         output_files.write_text(args.json, json.dumps(rows, indent=1))
     return 0

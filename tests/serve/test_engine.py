@@ -87,6 +87,30 @@ def test_async_scheduler_falls_back_to_plain_steps_and_stays_exact():
     assert 1 <= m.spec_rounds <= 3 and m.rounds > 10 * m.spec_rounds, (m.spec_rounds, m.rounds)
 
 
+def test_a_new_batch_of_the_same_size_after_a_capacity_of_zero_starts_on_plain_steps():
+    """Issue 42. The last capacity read was 0 on as many rows as a new batch has (nothing else running): the
+    new batch starts on plain steps and is probed after the floor of plain steps (8 here), not at once, as a
+    probe per generate call would cost a full-width round for nothing. A batch of another size probes at
+    once (its economics differ). The tokens are plain decoding's either way."""
+    table = CostTable(np.array([1, 3]), np.array([100.0, 10.0]), max_batch_tokens=24)  # verifying never pays
+    eng = _engine("async", slots=2, table=table)
+    seen = _recording_dispatch(eng)
+    reqs = [Request(p, max_tokens=6, id=i) for i, p in enumerate(prompts(2, seed=1))]
+    want = _want()
+
+    def first_round():
+        rounds = [k[0] for k in seen if k[0] in ("spec", "plain")]
+        seen.clear()
+        return rounds[0], rounds.count("spec")
+
+    eng.generate(reqs)
+    assert first_round() == ("spec", 1)  # nothing known yet: a probe at once (capacity 0)
+    assert [r.tokens for r in eng.generate(reqs)] == [want[i, :6].tolist() for i in range(2)]
+    assert first_round() == ("plain", 0)
+    assert eng.generate(reqs[:1])[0].tokens == want[0, :6].tolist()
+    assert first_round()[0] == "spec"
+
+
 def test_async_scheduler_speculates_when_it_pays():
     """A flat cost table (verifying is free): the capacity read back is positive and every round that
     drafts verifies drafts. The rounds that do not draft are plain steps: the one the engine runs while
