@@ -7,8 +7,9 @@ Binds to loopback unless --host says otherwise; the port is bound before the mod
 fails at once). SIGTERM / Ctrl-C: while loading, stop at once; while serving or compiling, stop accepting,
 let the requests in flight finish for up to --grace seconds, then end each one still running with an
 error (an SSE error event then [DONE]; 503 when not streamed), exit 0 (a compile in progress is abandoned).
-The compiled programs are kept in the user's cache (--compile-cache, dspark_jax/user_cache.py): a second
-start loads them instead of compiling.
+The compiled programs are kept in the user's cache (--compile-cache, dspark_jax/user_cache.py; the engine's
+program store, serve/program_store.py, in its dspark-programs/): a second start loads them without tracing
+or compiling.
 """
 
 from __future__ import annotations
