@@ -5,7 +5,8 @@ JAX's persistent compilation cache is keyed by the LOWERED module: a second proc
 lowers every program before it can look the executable up. On this CPU that is ~1.3 s per program, over a
 minute for the embedded default's 57 programs (the second start took 81 s). This store keys each
 serialized executable by what decides the program without tracing it:
-  * the code: the digest of the package's Python sources, jax's and jaxlib's versions;
+  * the code: the digest of the package's Python sources, jax's and jaxlib's versions, the jax options
+    and XLA flags that change a compiled program;
   * where it runs: the device kind and platform version;
   * the call: the static arguments (the model's config, the program's options) and the tree, shapes,
     dtypes and shardings of the dynamic ones.
@@ -97,12 +98,22 @@ def stable_repr(obj, depth: int = 0) -> str:
     return repr(obj)
 
 
+def jax_settings() -> str:
+    """The options that change what a traced function compiles to: jax's (the values jit's own cache keys
+    on: matmul precision, x64, dtype promotion, ...; the axis environment, empty outside a trace, names an
+    address and is left out) and XLA's flags."""
+    from jax._src import config as jax_config  # noqa: PLC0415 (no public API lists them)
+
+    values = [v for v in jax_config.trace_context() if " at 0x" not in repr(v)]
+    return "\0".join([stable_repr(values), os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", "")])
+
+
 def program_key(name: str, static: tuple, dynamic: tuple) -> str:
     """The digest naming one program: `name` (the jitted function), its static arguments and the avals of
     its dynamic ones, with the code and the device it compiles for."""
     leaves, tree = jax.tree.flatten(dynamic)
     device = jax.devices()[0]
-    parts = [source_digest(), jax.__version__, _jaxlib_version(),
+    parts = [source_digest(), jax.__version__, _jaxlib_version(), jax_settings(),
              device.platform, device.device_kind, str(device.client.platform_version), name, stable_repr(static),
              str(tree), *map(_describe, leaves)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 
 import jax
 import numpy as np
@@ -91,7 +92,7 @@ def test_a_second_engine_loads_every_program_from_the_store_without_tracing(stor
     assert not list(store.glob("*.partial"))
 
 
-def test_the_key_names_the_code_the_static_options_and_the_shapes(monkeypatch):
+def test_the_key_names_the_code_the_settings_the_static_options_and_the_shapes(monkeypatch):
     x = jax.ShapeDtypeStruct((2, 3), np.float32)
     base = program_store.program_key("f", (1, [("width", 4)]), (x,))
     assert base == program_store.program_key("f", (1, [("width", 4)]), (jax.ShapeDtypeStruct((2, 3), np.float32),))
@@ -100,6 +101,13 @@ def test_the_key_names_the_code_the_static_options_and_the_shapes(monkeypatch):
     assert base != program_store.program_key("f", (1, [("width", 4)]), (jax.ShapeDtypeStruct((2, 4), np.float32),))
     assert base != program_store.program_key("f", (1, [("width", 4)]), (jax.ShapeDtypeStruct((2, 3), np.int32),))
     assert base != program_store.program_key("f", (1, [("width", 4)]), ((x,),))
+    with jax.default_matmul_precision("bfloat16"):  # the suite runs at "highest"
+        assert base != program_store.program_key("f", (1, [("width", 4)]), (x,))
+    flags = os.environ.get("XLA_FLAGS", "")
+    monkeypatch.setenv("XLA_FLAGS", flags + " --xla_cpu_enable_fast_math=true")
+    assert base != program_store.program_key("f", (1, [("width", 4)]), (x,))
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert base == program_store.program_key("f", (1, [("width", 4)]), (x,))
     monkeypatch.setattr(program_store, "source_digest", lambda: "edited")
     assert base != program_store.program_key("f", (1, [("width", 4)]), (x,))
 
