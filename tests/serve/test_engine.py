@@ -354,13 +354,15 @@ def no_compiled_programs():
     gc.collect()
 
 
-@pytest.mark.slow  # compiles every program of a 2-slot async engine: ~7 minutes on 2 cores
+@pytest.mark.slow  # compiles every program of a 2-slot async engine: ~5 minutes on 2 cores
 def test_eager_compile_policy_never_compiles_after_the_first_dispatch(no_compiled_programs):
     """Issue 42. Policy "eager": the first step compiles every program the engine can dispatch (ahead of
     time, in parallel); then the async scheduler visits every verify width, greedy and filtered, with a
-    probe, plain steps and catch-ups, and XLA compiles nothing. The tokens are plain decoding's."""
+    probe, plain steps and catch-ups, and XLA compiles nothing. The tokens are plain decoding's. (One
+    round per call: a third fewer programs to compile than with multi-round calls, which the warm-up
+    test below covers.)"""
     table = CostTable(np.array([1]), np.array([100.0]), max_batch_tokens=24)  # verifying is free
-    eng = _engine("async", slots=2, table=table, compile="eager")
+    eng = _engine("async", slots=2, table=table, compile="eager", rounds_per_call=1)
     seen = _recording_dispatch(eng)
     eng.submit(Request(prompts(1, seed=9)[0], max_tokens=1))
     eng.step()  # the first dispatch: compiles every program
@@ -384,9 +386,10 @@ def test_background_compile_policy_serves_with_what_is_compiled(no_compiled_prog
     """Policy "background": tokens come before the whole set is compiled (the engine waits only for the
     programs it cannot do without, and serves with plain steps or a compiled wider width meanwhile); the
     tokens are plain decoding's whatever was compiled when; after the background compiler finished,
-    nothing compiles."""
+    nothing compiles. The policy does not depend on the scheduler: the smallest engine whose programs span
+    every kind (a 1-slot sync engine, one round per call: 21 programs where the async tests' have 34 and more)."""
     table = CostTable(np.array([1]), np.array([100.0]), max_batch_tokens=24)
-    eng = _engine("async", slots=2, table=table, compile="background")
+    eng = _engine("sync", slots=1, table=table, compile="background", rounds_per_call=1)
     want = _want()
     res = eng.generate([Request(p, max_tokens=20, id=i) for i, p in enumerate(prompts(2, seed=1))])
     assert [r.tokens for r in res] == [want[i, :20].tolist() for i in range(2)]
