@@ -1,12 +1,14 @@
 """DeepSeek MoE as in the V4.1 draft (SPEC 2.6): sqrt-softplus gate, bias-steered top-k selection,
 renormalised unbiased weights times route_scale, clamped SwiGLU experts, one shared expert.
 
-Expert parallelism: expert weights carry the logical axis "expert". `moe_ffn` evaluates every expert
-on every token and combines with a [N, E] weight matrix that is zero off the selected experts. Under
-`jax.jit` with the expert axis sharded, each device computes its own experts and one all-reduce sums
-the results. This is exact and shards cleanly; it spends E/k times the routed FLOPs, which is what a
-decode step of a few hundred tokens can afford (weights, not FLOPs, bound it), not what training at
-scale should use. A capacity-based dispatch is the upgrade path.
+Two paths with the same numerics (`MoE.routing`). `moe_ffn` evaluates every expert on every token and
+combines with a [N, E] weight matrix that is zero off the selected experts: E/k times the routed work,
+right for few experts. `routed_moe_ffn` computes only the N*k routed (token, expert) pairs, dropless:
+the way for many experts (below).
+
+Expert parallelism: expert weights carry the logical axis "expert". Under `jax.jit` with the expert axis
+sharded, the dense path computes each device's own experts and one all-reduce sums the results; the
+routed path is left to XLA's partitioner (a shard_map that computes each device's pairs is not built yet).
 """
 
 from __future__ import annotations
@@ -115,6 +117,124 @@ def moe_ffn(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: dict, sha
     return to_dtype(y, cd)
 
 
+# ---- routed MoE: the work follows the (token, expert) pairs ----------------------------------------------
+# `moe_ffn` above runs every expert on every token (E/k times the routed work). `routed_moe_ffn` computes
+# only the N*k routed pairs, with the same numerics: each pair's output rounded to the compute dtype on its
+# own, a token's k outputs summed in f32 in ascending expert index (the official order, which the
+# all-experts sum also follows: the experts a token did not pick add exact zeros), then the shared expert.
+#   gather  (N*k <= E: decode sizes) each pair reads its expert's matrices by index; no expert is read
+#           that no token picked, and there is no padding.
+#   tiles   (more pairs than experts: prefill, training) the pairs sorted by expert and cut into fixed
+#           tiles of T pairs, each tile one expert's; a loop over the tiles reads each tile's expert by
+#           index. Dropless: a static bound on the tile count holds every routing. Padding is at most
+#           T - 1 rows per expert; T is chosen so that it stays under half the pairs.
+
+
+def ascending_routes(weights: jax.Array, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each token's k routes reordered by ascending expert index (the order its outputs are summed in)."""
+    order = jnp.argsort(idx, axis=-1)
+    return jnp.take_along_axis(weights, order, axis=-1), jnp.take_along_axis(idx, order, axis=-1)
+
+
+def _pair_outputs(xa: jax.Array, weight: jax.Array, w1, w3, w2, *, limit, act_fp8, fp8_grad, spec_in: str,
+                  spec_out: str) -> jax.Array:
+    """The routed expert on its pairs: w2(weight * swiglu(w1 xa, w3 xa)) rounded to the compute dtype, in
+    f32 (`swiglu_mlp`'s rounding points; the weight multiplies before w2, as the all-experts path does)."""
+    cd = w1.dtype
+    h = _expert_hidden(xa, w1, w3, spec_in, limit)
+    h = _act(to_dtype(h * weight[..., None], cd), act_fp8, fp8_grad)
+    return to_dtype(mixed_einsum(spec_out, h, w2), cd).astype(jnp.float32)
+
+
+def expert_matrices(experts: dict, index: jax.Array, dtype) -> tuple:
+    """(w1, w3, w2) of the experts `index` names (any shape of ids), read at their stored precision and only
+    then turned into the compute dtype: a packed (fp8 / fp4) stack is dequantised for the selected experts
+    only, and the gradient of an f32 stack is gathered in f32."""
+    return tuple(as_compute(jax.tree.map(lambda a: jnp.asarray(a)[index], experts[name]), dtype)
+                 for name in ("w1", "w3", "w2"))
+
+
+def _gathered_pairs(xa, weights, idx, experts, **kw) -> jax.Array:
+    """[N, k, D] f32: each pair's expert matrices read by index (decode sizes: N*k <= E)."""
+    n, k = idx.shape
+    xk = jnp.broadcast_to(xa[:, None, :], (n, k, xa.shape[-1]))
+    w1, w3, w2 = expert_matrices(experts, idx, xa.dtype)
+    return _pair_outputs(xk, weights, w1, w3, w2, spec_in="nkd,nkdi->nki", spec_out="nki,nkid->nkd", **kw)
+
+
+def tile_size(pairs: int, n_experts: int) -> int:
+    """Pairs per tile: the largest power of two <= pairs / (2 E), so that the padding (< T rows for each
+    expert) stays under half the pairs, at least 1."""
+    return 1 << max(0, (pairs // (2 * n_experts)).bit_length() - 1)
+
+
+def expert_tiles(expert_of_pair: jax.Array, n_experts: int, tile: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Cut the pairs, sorted by expert, into tiles of `tile` pairs each belonging to one expert.
+
+    expert_of_pair i32[P] -> (tile_expert i32[M], tile_pairs i32[M, T] pair indices, valid bool[M, T]).
+    M = ceil(P / T) + min(E, P) is a static bound on the tiles any routing needs (each expert with pairs
+    wastes less than one tile); tiles past the routing's own count hold no valid row."""
+    p = expert_of_pair.shape[0]
+    order = jnp.argsort(expert_of_pair, stable=True)
+    counts = jnp.bincount(expert_of_pair, length=n_experts)
+    first_pair = jnp.cumsum(counts) - counts
+    tiles = (counts + tile - 1) // tile
+    tiles_end = jnp.cumsum(tiles)
+    m = -(-p // tile) + min(n_experts, p)
+    t = jnp.arange(m)
+    expert = jnp.minimum(jnp.searchsorted(tiles_end, t, side="right"), n_experts - 1)
+    within = (t - (tiles_end - tiles)[expert])[:, None] * tile + jnp.arange(tile)  # row within the expert's pairs
+    valid = (t < tiles_end[-1])[:, None] & (within < counts[expert][:, None])
+    pairs = order[jnp.where(valid, first_pair[expert][:, None] + within, 0)]
+    return expert.astype(jnp.int32), pairs, valid
+
+
+def _tiled_pairs(xa, weights, idx, experts, **kw) -> jax.Array:
+    """[N, k, D] f32: the pairs in expert tiles, one tile per loop step (prefill and training sizes)."""
+    n, k = idx.shape
+    n_experts = _n_experts(experts)
+    tile = tile_size(n * k, n_experts)
+    tile_expert, tile_pairs, valid = expert_tiles(idx.reshape(-1), n_experts, tile)
+    tile_weight = jnp.where(valid, weights.reshape(-1)[tile_pairs], 0.0)
+
+    def one_tile(_, xs):
+        e, pairs, weight = xs
+        w1, w3, w2 = expert_matrices(experts, e, xa.dtype)
+        return None, _pair_outputs(xa[pairs // k], weight, w1, w3, w2, spec_in="td,di->ti", spec_out="ti,id->td",
+                                   **kw)
+
+    _, out = jax.lax.scan(one_tile, None, (tile_expert, tile_pairs, tile_weight))  # [M, T, D]
+    dest = jnp.where(valid, tile_pairs, n * k)  # padding rows are dropped
+    flat = jnp.zeros((n * k, xa.shape[-1]), jnp.float32).at[dest.reshape(-1)].set(
+        out.reshape(-1, xa.shape[-1]), mode="drop", unique_indices=True)
+    return flat.reshape(n, k, -1)
+
+
+def _n_experts(experts: dict) -> int:
+    return jax.tree.leaves(experts["w1"])[0].shape[0]
+
+
+def routed_moe_ffn(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: dict, shared: dict | None, *,
+                   compute_dtype, limit: float, act_fp8: bool = False, fp8_grad: str = "exact") -> jax.Array:
+    """`moe_ffn` computing only the routed pairs. `experts` are the STORED stacks (f32, bf16 or packed),
+    read per selected expert (`expert_matrices`); `shared` is in the compute dtype. The result equals
+    `moe_ffn` on the stacks in the compute dtype up to the summation order inside each dot (bit for bit
+    at bf16 in every case measured; XLA:CPU's f32 dots round the last bit by their row count)."""
+    n, k = idx.shape
+    cd = jnp.dtype(compute_dtype)
+    weights, idx = ascending_routes(weights, idx)
+    xa = _act(x.astype(cd), act_fp8, fp8_grad)
+    pairs = _gathered_pairs if n * k <= _n_experts(experts) else _tiled_pairs
+    out = pairs(xa, weights, idx, experts, limit=limit, act_fp8=act_fp8, fp8_grad=fp8_grad)
+    y = out[:, 0]
+    for j in range(1, k):  # ascending expert index, one f32 add at a time
+        y = y + out[:, j]
+    if shared is not None:
+        y = y + swiglu_mlp(x, shared["w1"], shared["w3"], shared["w2"], limit=limit, act_fp8=act_fp8,
+                           fp8_grad=fp8_grad).astype(jnp.float32)
+    return to_dtype(y, cd)
+
+
 class MoE(nn.Module):
     dim: int
     n_experts: int
@@ -130,8 +250,14 @@ class MoE(nn.Module):
     act_fp8: bool = False
     vision: bool = False  # the router has `bias_vl` (models with a vision tower)
     fp8_grad: str = "exact"  # gradient through the activation fp8 rounding (nn.quant)
+    # "routed": only the routed pairs (`routed_moe_ffn`); "dense": every expert on every token (`moe_ffn`);
+    # "auto": routed when it does less than half the dense work (E > 2k: the V4.1-Flash draft's 128 experts
+    # top-3), dense for few experts (the embedded defaults' 4, top-2), where one batched dot beats the loop.
+    routing: str = "auto"
 
     def setup(self):
+        if self.routing not in ("auto", "routed", "dense"):
+            raise ValueError(f"MoE routing must be 'auto', 'routed' or 'dense', got {self.routing!r}")
         d, e, i = self.dim, self.n_experts, self.inter_dim
         self.gate = _Gate(d, e, self.param_dtype, self.vision)
         self.experts = _SwiGLUWeights(d, i, e, self.param_dtype)
@@ -145,11 +271,15 @@ class MoE(nn.Module):
         weights, idx = moe_route(flat, kernel, bias, top_k=self.top_k, route_scale=self.route_scale,
                                  score_func=self.score_func, norm_topk_prob=self.norm_topk_prob)
         cd = jnp.dtype(self.compute_dtype)
-        # Packed (fp8 / fp4) weights are dequantised here, inside the computation (`nn.packed`).
-        experts = {k: as_compute(v, cd) for k, v in self.experts().items()}
+        # Packed (fp8 / fp4) weights are dequantised here, inside the computation (`nn.packed`): the routed
+        # path dequantises only the experts it reads.
         shared = {k: as_compute(v, cd) for k, v in self.shared().items()} if self.n_shared else None
-        y = moe_ffn(flat, weights, idx, experts, shared, limit=self.swiglu_limit, act_fp8=self.act_fp8,
-                    fp8_grad=self.fp8_grad)
+        kw = dict(limit=self.swiglu_limit, act_fp8=self.act_fp8, fp8_grad=self.fp8_grad)
+        if self.routing == "routed" or (self.routing == "auto" and self.n_experts > 2 * self.top_k):
+            y = routed_moe_ffn(flat, weights, idx, self.experts(), shared, compute_dtype=cd, **kw)
+        else:
+            experts = {k: as_compute(v, cd) for k, v in self.experts().items()}
+            y = moe_ffn(flat, weights, idx, experts, shared, **kw)
         return y.astype(cd).reshape(*lead, self.dim)
 
 

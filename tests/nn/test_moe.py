@@ -5,8 +5,9 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from dspark_jax.nn.moe import moe_ffn, moe_route, swiglu_mlp
+from dspark_jax.nn.moe import moe_ffn, moe_route, routed_moe_ffn, swiglu_mlp
 
 RNG = np.random.default_rng(0)
 
@@ -128,3 +129,110 @@ def test_moe_jitted_equals_eager_bit_for_bit():
                      .astype(jnp.float32))
     # numpy's exp / summation order may flip a rare bf16 rounding; a dropped rounding point flips ~30%
     assert np.mean(got == want) > 0.98, np.mean(got == want)
+
+
+# ---- the routed MoE (issue 38): only the routed pairs, the all-experts numbers ----------------------------
+def _routed_case(n_experts, top_k, n_tokens, dtype=jnp.bfloat16, seed=0):
+    """Tokens, their routing and f32 expert stacks (the stored params; the compute dtype is `dtype`)."""
+    import jax
+
+    d, i = 64, 32
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    x = jax.random.normal(ks[0], (n_tokens, d)).astype(dtype)
+    gate = jax.random.normal(ks[1], (d, n_experts)) * 0.3
+    weights, idx = moe_route(x, gate, jnp.zeros(n_experts), top_k=top_k, route_scale=1.5)
+    stacks = {"w1": jax.random.normal(ks[2], (n_experts, d, i)) / 8, "w3": jax.random.normal(ks[3], (n_experts, d, i)) / 8,
+              "w2": jax.random.normal(ks[4], (n_experts, i, d)) / 6}
+    shared = {k: v[0].astype(dtype) for k, v in jax.tree.map(lambda a: a[:1] * 0.5, stacks).items()}
+    return x, weights, idx, stacks, shared
+
+
+@pytest.mark.parametrize("n_experts,top_k", [(8, 3), (16, 3), (4, 2)])
+@pytest.mark.parametrize("n_tokens", [1, 2, 5, 40])  # N*k <= E: gathered pairs; more: expert tiles
+def test_routed_moe_equals_all_experts_bit_for_bit_at_bf16(n_experts, top_k, n_tokens):
+    """The routed MoE computes each (token, expert) pair with the all-experts path's rounding points and
+    sums a token's outputs in the same ascending order: the same bf16 numbers, eager and jitted, with and
+    without the fp8 activation rounding. (At f32 compute XLA:CPU's dots round their last bit by their row
+    count, so two dot shapes cannot agree bit for bit there: see the gradient test.)"""
+    import jax
+
+    x, weights, idx, stacks, shared = _routed_case(n_experts, top_k, n_tokens)
+    bf16 = {k: v.astype(jnp.bfloat16) for k, v in stacks.items()}
+    for act_fp8 in (False, True):
+        def dense(x, weights, idx, act_fp8=act_fp8):
+            return moe_ffn(x, weights, idx, bf16, shared, limit=7.0, act_fp8=act_fp8)
+
+        def routed(x, weights, idx, act_fp8=act_fp8):
+            return routed_moe_ffn(x, weights, idx, stacks, shared, compute_dtype=jnp.bfloat16, limit=7.0,
+                                  act_fp8=act_fp8)
+
+        want = np.asarray(dense(x, weights, idx).astype(jnp.float32))
+        for name, fn in (("eager", routed), ("jitted", jax.jit(routed))):
+            got = np.asarray(fn(x, weights, idx).astype(jnp.float32))
+            np.testing.assert_array_equal(got, want, err_msg=f"{name}, act_fp8={act_fp8}")
+
+
+@pytest.mark.parametrize("n_tokens", [2, 40])
+def test_routed_moe_gradient_equals_all_experts(n_tokens):
+    """Differentiable, to the same gradient: of the tokens, the routing weights and every expert's matrices
+    (the experts nobody picked get exactly zero). f32 compute; the tolerance is f32 summation order."""
+    import jax
+
+    x, weights, idx, stacks, shared = _routed_case(16, 3, n_tokens, dtype=jnp.float32)
+    probe = jnp.asarray(RNG.normal(size=(n_tokens, 64)), jnp.float32)
+
+    def loss(ffn, **kw):
+        return lambda x, weights, stacks: jnp.sum(ffn(x, weights, idx, stacks, shared, limit=7.0, **kw) * probe)
+
+    want = jax.jit(jax.grad(loss(moe_ffn), argnums=(0, 1, 2)))(x, weights, stacks)
+    got = jax.jit(jax.grad(loss(routed_moe_ffn, compute_dtype=jnp.float32), argnums=(0, 1, 2)))(x, weights, stacks)
+    unpicked = np.setdiff1d(np.arange(16), np.asarray(idx))
+    for path, g, w in zip(["x", "weights", "w1", "w2", "w3"], jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6 * float(jnp.abs(w).max()),
+                                   err_msg=path)
+        if path.startswith("w") and path != "weights":
+            assert not np.any(np.asarray(g)[unpicked]), path
+
+
+@pytest.mark.parametrize("routing", ["balanced", "one expert", "two experts"])
+def test_expert_tiles_hold_every_pair_once_in_its_experts_tile(routing):
+    """The static tile bound holds for any routing (dropless): every pair lands in exactly one valid row,
+    of a tile of its own expert, and the tiles of one expert are consecutive."""
+    from dspark_jax.nn.moe import expert_tiles, tile_size
+
+    n_experts, pairs = 16, 120
+    expert_of_pair = {"balanced": np.arange(pairs) % n_experts, "one expert": np.full(pairs, 5),
+                      "two experts": np.where(np.arange(pairs) < 7, 3, 11)}[routing]
+    rng = np.random.default_rng(1)
+    expert_of_pair = rng.permutation(expert_of_pair).astype(np.int32)
+    tile = tile_size(pairs, n_experts)
+    expert, rows, valid = map(np.asarray, expert_tiles(jnp.asarray(expert_of_pair), n_experts, tile))
+    assert rows.shape == (-(-pairs // tile) + n_experts, tile)
+    assert sorted(rows[valid].tolist()) == list(range(pairs))
+    assert np.all(expert_of_pair[rows[valid]] == np.broadcast_to(expert[:, None], rows.shape)[valid])
+    used = expert[valid.any(axis=1)]
+    assert np.all(np.diff(used) >= 0) and valid.any(axis=1).tolist() == sorted(valid.any(axis=1).tolist(), reverse=True)
+
+
+def test_routed_moe_dequantises_only_the_selected_packed_experts():
+    """Packed (fp4) expert stacks: the routed MoE reads the selected experts at their stored precision and
+    gets the same numbers as on the stacks dequantised ahead (bf16)."""
+    import jax
+
+    from dspark_jax.nn import packed
+
+    x, weights, idx, stacks, shared = _routed_case(16, 3, 5)
+    rng = np.random.default_rng(2)
+
+    def fp4(shape):  # [E, in, out]: codes two per byte along `in`, exponents per 32 inputs
+        e, n_in, n_out = shape
+        return packed.Fp4Blocks(rng.integers(0, 256, (e, n_in // 2, n_out), dtype=np.uint8),
+                                rng.integers(120, 127, (e, -(-n_in // 32), n_out), dtype=np.uint8))
+
+    stored = {k: fp4(v.shape) for k, v in stacks.items()}
+    ahead = {k: packed.dequantize(v, jnp.bfloat16) for k, v in stored.items()}
+    for n in (2, 5):  # gathered pairs, then expert tiles
+        got = jax.jit(lambda x, w, i: routed_moe_ffn(x, w, i, stored, shared, compute_dtype=jnp.bfloat16, limit=7.0))(
+            x[:n], weights[:n], idx[:n])
+        want = routed_moe_ffn(x[:n], weights[:n], idx[:n], ahead, shared, compute_dtype=jnp.bfloat16, limit=7.0)
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
