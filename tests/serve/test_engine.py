@@ -358,11 +358,9 @@ def no_compiled_programs():
 def test_eager_compile_policy_never_compiles_after_the_first_dispatch(no_compiled_programs):
     """Issue 42. Policy "eager": the first step compiles every program the engine can dispatch (ahead of
     time, in parallel); then the async scheduler visits every verify width, greedy and filtered, with a
-    probe, plain steps and catch-ups, and XLA compiles nothing. The tokens are plain decoding's. (One
-    round per call: a third fewer programs to compile than with multi-round calls, which the warm-up
-    test below covers.)"""
+    probe, plain steps and catch-ups, and XLA compiles nothing. The tokens are plain decoding's."""
     table = CostTable(np.array([1]), np.array([100.0]), max_batch_tokens=24)  # verifying is free
-    eng = _engine("async", slots=2, table=table, compile="eager", rounds_per_call=1)
+    eng = _engine("async", slots=2, table=table, compile="eager")
     seen = _recording_dispatch(eng)
     eng.submit(Request(prompts(1, seed=9)[0], max_tokens=1))
     eng.step()  # the first dispatch: compiles every program
