@@ -13,6 +13,8 @@ routed path is left to XLA's partitioner (a shard_map that computes each device'
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -124,10 +126,13 @@ def moe_ffn(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: dict, sha
 # all-experts sum also follows: the experts a token did not pick add exact zeros), then the shared expert.
 #   gather  (N*k <= E: decode sizes) each pair reads its expert's matrices by index; no expert is read
 #           that no token picked, and there is no padding.
-#   tiles   (more pairs than experts: prefill, training) the pairs sorted by expert and cut into fixed
-#           tiles of T pairs, each tile one expert's; a loop over the tiles reads each tile's expert by
-#           index. Dropless: a static bound on the tile count holds every routing. Padding is at most
-#           T - 1 rows per expert; T is chosen so that it stays under half the pairs.
+#   grouped (more pairs than experts: prefill, training) on TPU / GPU: the pairs sorted by expert, one
+#           `jax.lax.ragged_dot` per matrix (grouped matmuls, lowered natively there, no padding).
+#   tiles   the same on CPU, where ragged_dot computes every group densely: the pairs sorted by expert
+#           and cut into fixed tiles of T pairs, each tile one expert's; a loop over the tiles reads each
+#           tile's expert by index. Dropless: a static bound on the tile count holds every routing.
+#           Padding is at most T - 1 rows per expert; T is chosen so that it stays under half the pairs.
+#           The loop has its own backward pass (see `_tile_loop`).
 
 
 def ascending_routes(weights: jax.Array, idx: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -196,18 +201,95 @@ def _tiled_pairs(xa, weights, idx, experts, **kw) -> jax.Array:
     tile = tile_size(n * k, n_experts)
     tile_expert, tile_pairs, valid = expert_tiles(idx.reshape(-1), n_experts, tile)
     tile_weight = jnp.where(valid, weights.reshape(-1)[tile_pairs], 0.0)
-
-    def one_tile(_, xs):
-        e, pairs, weight = xs
-        w1, w3, w2 = expert_matrices(experts, e, xa.dtype)
-        return None, _pair_outputs(xa[pairs // k], weight, w1, w3, w2, spec_in="td,di->ti", spec_out="ti,id->td",
-                                   **kw)
-
-    _, out = jax.lax.scan(one_tile, None, (tile_expert, tile_pairs, tile_weight))  # [M, T, D]
+    stacks = {name: experts[name] for name in ("w1", "w3", "w2")}
+    out = _tile_loop((k, *sorted(kw.items())), xa, tile_weight, stacks, tile_expert, tile_pairs)  # [M, T, D]
     dest = jnp.where(valid, tile_pairs, n * k)  # padding rows are dropped
     flat = jnp.zeros((n * k, xa.shape[-1]), jnp.float32).at[dest.reshape(-1)].set(
         out.reshape(-1, xa.shape[-1]), mode="drop", unique_indices=True)
     return flat.reshape(n, k, -1)
+
+
+def _tile_outputs(config, x_rows, weight, slices) -> jax.Array:
+    """[T, D] f32: one tile's rows through its expert (`slices`: that expert's w1, w3, w2 as stored)."""
+    _, *kw = config
+    w1, w3, w2 = (as_compute(slices[name], x_rows.dtype) for name in ("w1", "w3", "w2"))
+    return _pair_outputs(x_rows, weight, w1, w3, w2, spec_in="td,di->ti", spec_out="ti,id->td", **dict(kw))
+
+
+def _expert_slices(stacks: dict, e: jax.Array) -> dict:
+    return {name: jax.tree.map(lambda a: jnp.asarray(a)[e], stack) for name, stack in stacks.items()}
+
+
+# The loop over tiles has its own backward pass. Differentiated automatically, the cotangent of each step's
+# expert read (a dynamic slice of the [E, D, I] stacks) becomes a whole-stack zero array plus that slice,
+# added to the running gradient: every step moves all E experts' bytes (measured on CPU: slower than the
+# all-experts MoE at 40 tokens of 64 experts). The rule below runs the tiles again and adds each tile's
+# weight gradient into its expert's slice of the accumulator, in place.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tile_loop(config, xa, tile_weight, stacks, tile_expert, tile_pairs) -> jax.Array:
+    """[M, T, D] f32: each tile's rows through its expert. `config` = (k, sorted static options)."""
+    k = config[0]
+
+    def one_tile(_, xs):
+        e, pairs, weight = xs
+        return None, _tile_outputs(config, xa[pairs // k], weight, _expert_slices(stacks, e))
+
+    return jax.lax.scan(one_tile, None, (tile_expert, tile_pairs, tile_weight))[1]
+
+
+def _tile_loop_forward(config, xa, tile_weight, stacks, tile_expert, tile_pairs):
+    out = _tile_loop(config, xa, tile_weight, stacks, tile_expert, tile_pairs)
+    return out, (xa, tile_weight, stacks, tile_expert, tile_pairs)
+
+
+def _tile_loop_backward(config, residuals, d_out):
+    xa, tile_weight, stacks, tile_expert, tile_pairs = residuals
+    k = config[0]
+
+    def one_tile(carry, xs):
+        d_xa, d_stacks = carry
+        e, pairs, weight, d_tile = xs
+        rows = pairs // k
+        _, tile_vjp = jax.vjp(functools.partial(_tile_outputs, config), xa[rows], weight, _expert_slices(stacks, e))
+        d_rows, d_weight, d_slices = tile_vjp(d_tile)
+        d_xa = d_xa.at[rows].add(d_rows.astype(jnp.float32))  # padding rows carry a zero cotangent
+        d_stacks = jax.tree.map(lambda acc, d: acc.at[e].add(d.astype(acc.dtype)), d_stacks, d_slices)
+        return (d_xa, d_stacks), d_weight
+
+    init = (jnp.zeros(xa.shape, jnp.float32), jax.tree.map(jnp.zeros_like, stacks))
+    (d_xa, d_stacks), d_weight = jax.lax.scan(one_tile, init, (tile_expert, tile_pairs, tile_weight, d_out))
+    return d_xa.astype(xa.dtype), d_weight, d_stacks, None, None
+
+
+_tile_loop.defvjp(_tile_loop_forward, _tile_loop_backward)
+
+
+def _ragged_pairs(xa, weights, idx, experts, *, limit, act_fp8, fp8_grad) -> jax.Array:
+    """[N, k, D] f32 by grouped matmuls (`jax.lax.ragged_dot`, which TPU and GPU lower natively): the
+    pairs sorted by expert, one contiguous group per expert, no padding. On CPU ragged_dot computes every
+    group densely, so the CPU takes `_tiled_pairs`. The stacks are needed whole in the compute dtype (a
+    no-op for bf16 stacks; packed stacks are dequantised whole here: the quantized grouped-matmul kernels
+    that would avoid it are not wired yet)."""
+    n, k = idx.shape
+    cd = xa.dtype
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=_n_experts(experts)).astype(jnp.int32)
+    w1, w3, w2 = (as_compute(experts[name], cd) for name in ("w1", "w3", "w2"))
+
+    def grouped(a, w):
+        return to_dtype(jax.lax.ragged_dot(a, w, sizes, preferred_element_type=jnp.float32), cd)
+
+    xs = xa[order // k]
+    h = clamped_swiglu(grouped(xs, w1), grouped(xs, w3), limit) * weights.reshape(-1)[order][:, None]
+    out = grouped(_act(to_dtype(h, cd), act_fp8, fp8_grad), w2).astype(jnp.float32)
+    return jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(n, k, -1)
+
+
+def _grouped_pairs(xa, weights, idx, experts, **kw) -> jax.Array:
+    """More pairs than experts: grouped matmuls on TPU / GPU, expert tiles on CPU (chosen when lowering)."""
+    return jax.lax.platform_dependent(xa, weights, idx, experts, cpu=functools.partial(_tiled_pairs, **kw),
+                                      default=functools.partial(_ragged_pairs, **kw))
 
 
 def _n_experts(experts: dict) -> int:
@@ -224,7 +306,7 @@ def routed_moe_ffn(x: jax.Array, weights: jax.Array, idx: jax.Array, experts: di
     cd = jnp.dtype(compute_dtype)
     weights, idx = ascending_routes(weights, idx)
     xa = _act(x.astype(cd), act_fp8, fp8_grad)
-    pairs = _gathered_pairs if n * k <= _n_experts(experts) else _tiled_pairs
+    pairs = _gathered_pairs if n * k <= _n_experts(experts) else _grouped_pairs
     out = pairs(xa, weights, idx, experts, limit=limit, act_fp8=act_fp8, fp8_grad=fp8_grad)
     y = out[:, 0]
     for j in range(1, k):  # ascending expert index, one f32 add at a time

@@ -236,3 +236,32 @@ def test_routed_moe_dequantises_only_the_selected_packed_experts():
             x[:n], weights[:n], idx[:n])
         want = routed_moe_ffn(x[:n], weights[:n], idx[:n], ahead, shared, compute_dtype=jnp.bfloat16, limit=7.0)
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("act_fp8", [False, True])
+def test_grouped_matmul_path_equals_all_experts_at_bf16(act_fp8):
+    """The TPU / GPU path (`jax.lax.ragged_dot` over the pairs sorted by expert) run here through CPU's
+    dense ragged_dot: the all-experts numbers bit for bit. And a TPU export of the routed MoE lowers to
+    ragged_dot, not to a loop over tiles."""
+    import jax
+
+    from dspark_jax.nn.moe import _ragged_pairs, ascending_routes
+    from dspark_jax.nn.quant import fp8_quant_dequant
+
+    x, weights, idx, stacks, shared = _routed_case(8, 3, 40)
+    bf16 = {k: v.astype(jnp.bfloat16) for k, v in stacks.items()}
+    want = moe_ffn(x, weights, idx, bf16, None, limit=7.0, act_fp8=act_fp8)
+    w_sorted, i_sorted = ascending_routes(weights, idx)
+    xa = fp8_quant_dequant(x) if act_fp8 else x  # the input rounding routed_moe_ffn applies first
+    out = jax.jit(lambda *a: _ragged_pairs(*a, limit=7.0, act_fp8=act_fp8, fp8_grad="exact"))(xa, w_sorted, i_sorted, stacks)
+    y = out[:, 0]
+    for j in range(1, 3):
+        y = y + out[:, j]
+    np.testing.assert_array_equal(np.asarray(y.astype(jnp.bfloat16).astype(jnp.float32)),
+                                  np.asarray(want.astype(jnp.float32)))
+
+    def routed(x, w, i):
+        return routed_moe_ffn(x, w, i, bf16, None, compute_dtype=jnp.bfloat16, limit=7.0, act_fp8=act_fp8)
+
+    tpu = jax.export.export(jax.jit(routed), platforms=["tpu"])(x, weights, idx).mlir_module()
+    assert "ragged_dot" in tpu and "stablehlo.while" not in tpu
