@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from dspark_jax.nn.packed import as_compute
 from dspark_jax.nn.params import fan_in_normal, param
+from dspark_jax.nn.platform import by_platform
 from dspark_jax.nn.quant import fp8_quant_dequant
 from dspark_jax.nn.rounding import to_dtype
 
@@ -19,7 +20,7 @@ def mixed_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     This is the official forward's "bf16 x bf16 accumulated in f32". XLA:CPU has no BF16 x BF16 = F32
     dot, so on CPU the operands are widened to f32 first: a product of two bf16 numbers is exact in f32,
     so the result is the same math. TPU and GPU keep bf16 operands. The choice is made when lowering
-    (`lax.platform_dependent`), so `jax.export(..., platforms=["tpu"])` from a CPU host gets the bf16 dot.
+    (`nn.platform.by_platform`), so `jax.export(..., platforms=["tpu"])` from a CPU host gets the bf16 dot.
     """
     f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
     if a.dtype == f32 and b.dtype == f32:
@@ -31,7 +32,7 @@ def mixed_einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     def native(a, b):
         return jnp.einsum(spec, a, b, preferred_element_type=f32)
 
-    return jax.lax.platform_dependent(a, b, cpu=widened, default=native)
+    return by_platform(a, b, cpu=widened, default=native)
 
 
 def linear(x: jax.Array, kernel: jax.Array, compute_dtype, act_fp8: bool = False, fp8_grad: str = "exact"

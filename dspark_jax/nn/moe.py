@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from dspark_jax.nn.linear import mixed_einsum
 from dspark_jax.nn.packed import as_compute
 from dspark_jax.nn.params import fan_in_normal, param
+from dspark_jax.nn.platform import by_platform
 from dspark_jax.nn.quant import fp8_quant_dequant
 from dspark_jax.nn.rounding import to_dtype
 
@@ -288,8 +289,8 @@ def _ragged_pairs(xa, weights, idx, experts, *, limit, act_fp8, fp8_grad) -> jax
 
 def _grouped_pairs(xa, weights, idx, experts, **kw) -> jax.Array:
     """More pairs than experts: grouped matmuls on TPU / GPU, expert tiles on CPU (chosen when lowering)."""
-    return jax.lax.platform_dependent(xa, weights, idx, experts, cpu=functools.partial(_tiled_pairs, **kw),
-                                      default=functools.partial(_ragged_pairs, **kw))
+    return by_platform(xa, weights, idx, experts, cpu=functools.partial(_tiled_pairs, **kw),
+                       default=functools.partial(_ragged_pairs, **kw))
 
 
 def _n_experts(experts: dict) -> int:
