@@ -15,6 +15,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "decode": ("dspark_jax.bench.decode", "speculative vs plain decoding tokens/s, engine efficiency, peers"),
     "serve": ("dspark_jax.bench.serve", "closed-loop concurrency sweep: plain, static verify lengths, sync, async"),
     "acceptance": ("dspark_jax.bench.acceptance", "tau and per-position acceptance of the embedded drafts"),
+    "roofline": ("dspark_jax.bench.roofline", "compiled flops and bytes of real-size programs against their "
+                                              "analytic minimum"),
     "memory": ("dspark_jax.bench.memory", "device memory per chip of the serving programs on a TPU pod mesh"),
     "compile": ("dspark_jax.bench.compile", "per-call wall time and compiles of successive generate calls; "
                                             "first token and ready per compile policy"),
