@@ -29,7 +29,10 @@ What is counted, and how it relates to XLA's own figures:
     counted at the slice's size, a fusion whose root is a dynamic-update-slice writes only the update.
     Deliberate differences from XLA: a tuple counts 0 (XLA counts its pointer table, 8 bytes per element),
     so does an opt-barrier (XLA: operands + result), and a custom-call counts its operands + results and
-    no flops (XLA reports -1, "unknown"). Sub-byte types count packed (see `_DTYPE_BITS`).
+    no flops (XLA reports -1, "unknown"). A fusion parameter read by a gather inside the fusion (directly
+    or through a same-width bitcast-convert) counts the rows gathered; XLA charges the whole operand,
+    which would bill a decode step's expert gather for every expert of the stack. Sub-byte types count
+    packed (see `_DTYPE_BITS`).
   * Loops: trip count from XLA's `known_trip_count`, else derived from the condition (induction variable
     `< constant`, start and step read from the loop's initial tuple and body); a loop whose trip count
     cannot be found counts once and is reported in `unknown_trip_loops`. The body counts trip times, the
@@ -627,7 +630,9 @@ class _Analyzer:
                         size += self._param_read_bytes(nested, params[idx])
             elif op == "slice":
                 size += shape_bytes(user.shape)
-            elif op == "dynamic-slice":
+            elif op in ("dynamic-slice", "gather"):
+                # gather: ours, not XLA's (which charges a fused gather's operand whole, i.e. a decode
+                # step's expert gather with every expert of the stack): a gather reads the rows it outputs.
                 if user.operands and user.operands[0] == h.name:
                     size += shape_bytes(user.shape)
                 elif not seen_trivial:
@@ -637,6 +642,8 @@ class _Analyzer:
                 if (not user.operands or user.operands[0] != h.name) and not seen_trivial:
                     seen_trivial = True
                     size += full
+            elif op == "bitcast-convert" and shape_bytes(user.shape) == full:
+                size += self._param_read_bytes(fused, user)  # a same-width view (bf16 as u16): see through it
             elif op in ("broadcast", "reshape"):
                 size += full
             elif not seen_trivial:

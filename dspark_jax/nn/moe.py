@@ -152,11 +152,34 @@ def _pair_outputs(xa: jax.Array, weight: jax.Array, w1, w3, w2, *, limit, act_fp
     return to_dtype(mixed_einsum(spec_out, h, w2), cd).astype(jnp.float32)
 
 
+@jax.custom_vjp
+def read_experts(stack: jax.Array, index: jax.Array) -> jax.Array:
+    """stack[index]: the selected experts of one stack. A bf16 stack is read through a 16-bit integer view:
+    XLA:CPU computes a bf16 gather or dynamic slice on an f32 copy of the WHOLE stack (all E experts
+    converted and back on every read); integers it moves as they are. Same values, any platform."""
+    if stack.dtype == jnp.bfloat16:
+        bits = jax.lax.bitcast_convert_type(stack, jnp.uint16)[index]
+        return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+    return stack[index]
+
+
+def _read_experts_forward(stack, index):
+    return read_experts(stack, index), (jnp.zeros((), stack.dtype), stack.shape, index)
+
+
+def _read_experts_backward(residuals, d_rows):
+    zero, shape, index = residuals
+    return jnp.zeros(shape, zero.dtype).at[index].add(d_rows.astype(zero.dtype)), None
+
+
+read_experts.defvjp(_read_experts_forward, _read_experts_backward)
+
+
 def expert_matrices(experts: dict, index: jax.Array, dtype) -> tuple:
     """(w1, w3, w2) of the experts `index` names (any shape of ids), read at their stored precision and only
     then turned into the compute dtype: a packed (fp8 / fp4) stack is dequantised for the selected experts
     only, and the gradient of an f32 stack is gathered in f32."""
-    return tuple(as_compute(jax.tree.map(lambda a: jnp.asarray(a)[index], experts[name]), dtype)
+    return tuple(as_compute(jax.tree.map(lambda a: read_experts(jnp.asarray(a), index), experts[name]), dtype)
                  for name in ("w1", "w3", "w2"))
 
 
@@ -218,7 +241,7 @@ def _tile_outputs(config, x_rows, weight, slices) -> jax.Array:
 
 
 def _expert_slices(stacks: dict, e: jax.Array) -> dict:
-    return {name: jax.tree.map(lambda a: jnp.asarray(a)[e], stack) for name, stack in stacks.items()}
+    return {name: jax.tree.map(lambda a: read_experts(jnp.asarray(a), e), stack) for name, stack in stacks.items()}
 
 
 # The loop over tiles has its own backward pass. Differentiated automatically, the cotangent of each step's
@@ -290,7 +313,7 @@ def _ragged_pairs(xa, weights, idx, experts, *, limit, act_fp8, fp8_grad) -> jax
 def _grouped_pairs(xa, weights, idx, experts, **kw) -> jax.Array:
     """More pairs than experts: grouped matmuls on TPU / GPU, expert tiles on CPU (chosen when lowering)."""
     return by_platform(xa, weights, idx, experts, cpu=functools.partial(_tiled_pairs, **kw),
-                       default=functools.partial(_ragged_pairs, **kw))
+                       default=functools.partial(_ragged_pairs, **kw), dense_on_cpu=True)
 
 
 def _n_experts(experts: dict) -> int:

@@ -139,7 +139,7 @@ def test_plain_matmul_bytes_are_operands_plus_result():
     assert cost.bytes == _xla(c)["bytes accessed"]
 
 
-@pytest.mark.parametrize("name", ["mlp", "dynamic_slice", "dynamic_update_slice", "gather", "scatter", "argmax"])
+@pytest.mark.parametrize("name", ["mlp", "dynamic_slice", "dynamic_update_slice", "scatter", "argmax"])
 def test_equal_to_xla_on_programs_without_loops(name):
     """Loop-free, tuple-free programs: XLA's own rules (fusion boundaries, slices read what they output,
     in-place updates write the update), so bytes, flops and transcendentals equal cost_analysis()."""
@@ -150,7 +150,6 @@ def test_equal_to_xla_on_programs_without_loops(name):
         "dynamic_slice": (lambda a, i: jax.lax.dynamic_slice_in_dim(a, i, 1, 0) * 2, big, 3),
         "dynamic_update_slice": (lambda a, u, i: jax.lax.dynamic_update_slice_in_dim(a, u, i, 0),
                                  big, jnp.ones((1, 256)), 3),
-        "gather": (lambda a, i: a[i], big, jnp.arange(5)),
         "scatter": (lambda a, i, u: a.at[i].add(u), big, jnp.arange(5), jnp.ones((5, 256))),
         "argmax": (lambda a: jnp.argmax(a, axis=1), jnp.ones((64, 256))),
     }
@@ -160,6 +159,26 @@ def test_equal_to_xla_on_programs_without_loops(name):
     assert cost.bytes == xla["bytes accessed"]
     assert cost.flops + cost.elementwise_flops == xla["flops"]
     assert cost.transcendentals == xla.get("transcendentals", 0.0)
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_a_fused_gather_reads_the_rows_it_gathers_not_its_whole_operand(view):
+    """Our one departure from XLA's byte rules that changes a measured program: XLA charges a fusion the
+    whole operand of a gather inside it (here 1 MB for 5 rows of 1 KB); the rows are what is read. Also
+    through a same-width view (bf16 read as uint16, as the MoE reads its expert stacks)."""
+    big = jnp.ones((1000, 256), jnp.bfloat16 if view else jnp.float32)
+
+    def f(a, i):
+        if view:
+            bits = jax.lax.bitcast_convert_type(a, jnp.uint16)[i]
+            return jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32) * 2
+        return a[i] * 2
+
+    c = _compile(f, big, jnp.arange(5))
+    cost, xla = analyze(c.as_text()), _xla(c)
+    rows = 5 * 256 * big.dtype.itemsize
+    assert cost.bytes == rows + 5 * 256 * 4 + 5 * 4  # the rows read, the f32 output written, the indices
+    assert xla["bytes accessed"] > 100 * rows  # XLA: the whole [1000, 256] operand
 
 
 def test_dynamic_slice_in_a_loop_reads_the_row_not_the_array():
