@@ -38,6 +38,7 @@ from dspark_jax.nn.mhc import MhcBlock, hc_pre, one_hot_pre
 from dspark_jax.nn.moe import MoE, swiglu_mlp
 from dspark_jax.nn.norm import RMSNorm, rms_norm
 from dspark_jax.nn.params import fan_in_normal, param
+from dspark_jax.nn.rows import take_rows
 from dspark_jax.nn.rounding import to_dtype
 from dspark_jax.validation import (SCORE_FUNCS, ConfigError, check_field, did_you_mean, is_int, is_number,
                                    read_json_config)
@@ -238,7 +239,7 @@ class _Mhc(nn.Module):
         b, t = tokens.shape
         embed = param(self, "embed", nn.initializers.normal(c.dim ** -0.5), (c.vocab_size, c.dim), c.param_dtype,
                       ("vocab", "embed"))
-        x = jnp.take(embed, tokens, axis=0).astype(cd)
+        x = take_rows(embed, tokens).astype(cd)
         streams = jnp.broadcast_to(x[..., None, :], (b, t, c.hc_mult, c.dim))
         pre = one_hot_pre(c.hc_mult, (b, t))
         positions = query_positions(length, t)
@@ -308,7 +309,7 @@ class MhcBackbone(Backbone):
         return {"embed": params["embed"], "head": params["head"]}
 
     def embed(self, params, ids) -> jax.Array:
-        return jnp.take(params["embed"], ids, axis=0).astype(as_dtype(self.cfg.compute_dtype))
+        return take_rows(params["embed"], ids).astype(as_dtype(self.cfg.compute_dtype))
 
     def final_norm(self, params, x) -> jax.Array:
         return rms_norm(x, params["norm"]["scale"], self.cfg.norm_eps)

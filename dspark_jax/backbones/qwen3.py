@@ -44,6 +44,7 @@ from dspark_jax.nn.attention import KeySegment, grouped_query_attention
 from dspark_jax.nn.linear import mixed_einsum
 from dspark_jax.nn.norm import RMSNorm, rms_norm
 from dspark_jax.nn.params import param
+from dspark_jax.nn.rows import take_rows
 from dspark_jax.nn.qwen3_layer import Qwen3DecoderLayer
 from dspark_jax.validation import ConfigError, check_field, did_you_mean, is_number, read_json_config
 
@@ -243,7 +244,7 @@ class _Qwen3(nn.Module):
         b, t = tokens.shape
         embed = param(self, "embed", nn.initializers.normal(c.hidden_size ** -0.5), (c.vocab_size, c.hidden_size),
                       c.param_dtype, ("vocab", "embed"))
-        x = jnp.take(embed, tokens, axis=0).astype(cd)
+        x = take_rows(embed, tokens).astype(cd)
         positions = query_positions(length, t)
         max_len = k_cache.shape[2]
         visible = cache_visibility(positions, max_len)
@@ -316,7 +317,7 @@ class Qwen3Backbone(Backbone):
         return {"embed": params["embed"], "head": head}
 
     def embed(self, params, ids) -> jax.Array:
-        return jnp.take(params["embed"], ids, axis=0).astype(as_dtype(self.cfg.compute_dtype))
+        return take_rows(params["embed"], ids).astype(as_dtype(self.cfg.compute_dtype))
 
     def final_norm(self, params, x) -> jax.Array:
         """The final RMSNorm (what a draft applies before the tied head)."""

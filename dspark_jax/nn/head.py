@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.nn.rows import slice_rows
+
 HEAD_TILE_ROWS = 8192  # vocabulary rows widened at once: 8192 x 5120 x 4 B = 160 MiB at V4.1-Flash size
 
 
@@ -29,10 +31,11 @@ def f32_head_logits(x: jax.Array, head: jax.Array, tile_rows: int = HEAD_TILE_RO
 
     def tile(i, out):  # out f32 [N, V]
         # The last tile starts at V - tile_rows (overlapping the one before: the same rows get the same
-        # values), so no padded copy of the head is ever made. The barrier keeps XLA from hoisting the
-        # widening out of the loop (convert before slice), which would bring back the whole f32 head.
+        # values), so no padded copy of the head is ever made. The tile is read through `nn.rows`: a bf16
+        # dynamic slice is an f32 copy of the whole head on XLA:CPU (hoisted out of the loop, barrier or
+        # not). The barrier keeps XLA from moving the widening before the slice.
         start = jnp.minimum(i * tile_rows, v - tile_rows)
-        rows = jax.lax.optimization_barrier(jax.lax.dynamic_slice_in_dim(head, start, tile_rows))
+        rows = jax.lax.optimization_barrier(slice_rows(head, start, tile_rows))
         logits = jnp.einsum("nd,td->nt", flat, rows.astype(f32), precision=hi)
         return jax.lax.dynamic_update_slice_in_dim(out, logits, start, axis=1)
 

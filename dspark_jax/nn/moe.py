@@ -25,6 +25,7 @@ from dspark_jax.nn.params import fan_in_normal, param
 from dspark_jax.nn.platform import by_platform
 from dspark_jax.nn.quant import fp8_quant_dequant
 from dspark_jax.nn.rounding import to_dtype
+from dspark_jax.nn.rows import take_rows
 
 
 def gate_scores(x: jax.Array, gate_kernel: jax.Array, score_func: str = "sqrtsoftplus") -> jax.Array:
@@ -152,34 +153,12 @@ def _pair_outputs(xa: jax.Array, weight: jax.Array, w1, w3, w2, *, limit, act_fp
     return to_dtype(mixed_einsum(spec_out, h, w2), cd).astype(jnp.float32)
 
 
-@jax.custom_vjp
-def read_experts(stack: jax.Array, index: jax.Array) -> jax.Array:
-    """stack[index]: the selected experts of one stack. A bf16 stack is read through a 16-bit integer view:
-    XLA:CPU computes a bf16 gather or dynamic slice on an f32 copy of the WHOLE stack (all E experts
-    converted and back on every read); integers it moves as they are. Same values, any platform."""
-    if stack.dtype == jnp.bfloat16:
-        bits = jax.lax.bitcast_convert_type(stack, jnp.uint16)[index]
-        return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
-    return stack[index]
-
-
-def _read_experts_forward(stack, index):
-    return read_experts(stack, index), (jnp.zeros((), stack.dtype), stack.shape, index)
-
-
-def _read_experts_backward(residuals, d_rows):
-    zero, shape, index = residuals
-    return jnp.zeros(shape, zero.dtype).at[index].add(d_rows.astype(zero.dtype)), None
-
-
-read_experts.defvjp(_read_experts_forward, _read_experts_backward)
-
-
 def expert_matrices(experts: dict, index: jax.Array, dtype) -> tuple:
     """(w1, w3, w2) of the experts `index` names (any shape of ids), read at their stored precision and only
     then turned into the compute dtype: a packed (fp8 / fp4) stack is dequantised for the selected experts
-    only, and the gradient of an f32 stack is gathered in f32."""
-    return tuple(as_compute(jax.tree.map(lambda a: read_experts(jnp.asarray(a), index), experts[name]), dtype)
+    only, a bf16 stack is read without an f32 copy of it (`nn.rows`), and the gradient of an f32 stack is
+    gathered in f32."""
+    return tuple(as_compute(jax.tree.map(lambda a: take_rows(jnp.asarray(a), index), experts[name]), dtype)
                  for name in ("w1", "w3", "w2"))
 
 
@@ -241,7 +220,7 @@ def _tile_outputs(config, x_rows, weight, slices) -> jax.Array:
 
 
 def _expert_slices(stacks: dict, e: jax.Array) -> dict:
-    return {name: jax.tree.map(lambda a: read_experts(jnp.asarray(a), e), stack) for name, stack in stacks.items()}
+    return {name: jax.tree.map(lambda a: take_rows(jnp.asarray(a), e), stack) for name, stack in stacks.items()}
 
 
 # The loop over tiles has its own backward pass. Differentiated automatically, the cotangent of each step's

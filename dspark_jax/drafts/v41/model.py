@@ -35,6 +35,7 @@ from dspark_jax.nn.mhc import MhcBlock, hc_pre, one_hot_pre
 from dspark_jax.nn.moe import MoE
 from dspark_jax.nn.norm import RMSNorm, rms_norm
 from dspark_jax.nn.params import abstract_unboxed, init_unboxed, logical_axes_of
+from dspark_jax.nn.rows import take_rows
 
 
 class DraftState(NamedTuple):
@@ -178,7 +179,7 @@ def draft_hidden(params: dict, tied: dict, cfg: DSparkConfig, state: DraftState,
                  *, impl: str = "auto") -> tuple[jax.Array, jax.Array]:
     """The parallel part of a round: -> (h [B, K, D] pre-norm, base logits U f32[B, K, V])."""
     cd = jnp.dtype(cfg.compute_dtype)
-    embeds = jnp.take(tied["embed"], block_inputs(cfg, anchor), axis=0).astype(cd)
+    embeds = take_rows(tied["embed"], block_inputs(cfg, anchor)).astype(cd)
     positions = block_positions(state.length, cfg.block_size)
     model = DSparkDraft(cfg, impl)
     h = model.apply({"params": params}, embeds, positions, state.ring, state.length, method=DSparkDraft.body)

@@ -22,6 +22,7 @@ from dspark_jax.drafts.v41.config import DSparkConfig
 from dspark_jax.drafts.v41.heads import confidence_logits
 from dspark_jax.drafts.v41.model import DSparkDraft
 from dspark_jax.nn.norm import rms_norm
+from dspark_jax.nn.rows import take_rows
 from dspark_jax.train.anchors import Blocks, anchor_rings
 
 
@@ -37,7 +38,7 @@ def train_forward(params: dict, tied: dict, cfg: DSparkConfig, main_hidden: jax.
     seq_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     rows = model.apply({"params": params}, main_hidden.astype(cd), seq_pos, method=DSparkDraft.context_rows)
     ring, ring_len = anchor_rings(rows.astype(cd), anchors, cfg.window)
-    embeds = jnp.take(tied["embed"], blocks.inputs.reshape(b * n, k), axis=0).astype(cd)
+    embeds = take_rows(tied["embed"], blocks.inputs.reshape(b * n, k)).astype(cd)
     h = model.apply({"params": params}, embeds, blocks.positions.reshape(b * n, k), ring, ring_len,
                     method=DSparkDraft.body)
     normed = rms_norm(h, params["norm"]["scale"], cfg.norm_eps)  # as base_logits
