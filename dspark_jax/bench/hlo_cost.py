@@ -174,11 +174,10 @@ class _Module:
     tables: dict[str, dict[int, str]]
 
 
-def _close(s: str, i: int) -> int:
-    """Index of the bracket that closes the one at s[i], skipping quoted strings."""
-    depth = 0
-    quote = False
-    j = i
+def _unquoted(s: str, start: int = 0):
+    """(index, character, bracket depth after it) of each character of s from `start` that is outside a
+    quoted string."""
+    depth, quote, j = 0, False, start
     while j < len(s):
         c = s[j]
         if quote:
@@ -188,36 +187,27 @@ def _close(s: str, i: int) -> int:
                 quote = False
         elif c == '"':
             quote = True
-        elif c in "({[":
-            depth += 1
-        elif c in ")}]":
-            depth -= 1
-            if depth == 0:
-                return j
+        else:
+            depth += (c in "({[") - (c in ")}]")
+            yield j, c, depth
         j += 1
+
+
+def _close(s: str, i: int) -> int:
+    """Index of the bracket that closes the one at s[i], skipping quoted strings."""
+    for j, c, depth in _unquoted(s, i):
+        if c in ")}]" and depth == 0:
+            return j
     raise ValueError(f"unbalanced brackets in HLO line: {s[:200]!r}")
 
 
 def _split_top(s: str) -> list[str]:
     """Split at the commas outside brackets and quotes."""
-    parts, depth, quote, start, j = [], 0, False, 0, 0
-    while j < len(s):
-        c = s[j]
-        if quote:
-            if c == "\\":
-                j += 1
-            elif c == '"':
-                quote = False
-        elif c == '"':
-            quote = True
-        elif c in "({[":
-            depth += 1
-        elif c in ")}]":
-            depth -= 1
-        elif c == "," and depth == 0:
+    parts, start = [], 0
+    for j, c, depth in _unquoted(s):
+        if c == "," and depth == 0:
             parts.append(s[start:j])
             start = j + 1
-        j += 1
     parts.append(s[start:])
     return [p.strip() for p in parts if p.strip()]
 
