@@ -81,11 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---- analytic minima (pure arithmetic on shapes) -------------------------------------------------------
 
 def array_bytes(tree) -> int:
-    """Bytes of every array leaf (ShapeDtypeStructs included) at its own dtype."""
-    import jax  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
+    """Bytes of every array leaf (ShapeDtypeStructs and packed nodes included): `nn.packed.nbytes`,
+    imported here because it imports jax."""
+    from dspark_jax.nn.packed import nbytes  # noqa: PLC0415
 
-    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    return nbytes(tree)
 
 
 def matrix_params(tree) -> int:
