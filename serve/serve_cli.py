@@ -153,8 +153,19 @@ class _Stopped(BaseException):
     """SIGTERM or SIGINT while the bundle loads (before the server's own handlers are installed)."""
 
 
-def _raise_stopped(signum, _frame):
-    raise _Stopped(signal.Signals(signum).name)
+class _StopWhileLoading:
+    """Signal handler for the load: raises _Stopped while armed (the load is a long blocking call, and
+    raising is how it is interrupted); once disarmed, it only remembers the signal, so that one arriving
+    between the end of the load and the handlers' restoration cannot escape as a traceback."""
+
+    def __init__(self):
+        self.armed, self.pending = True, None
+
+    def __call__(self, signum, _frame):
+        name = signal.Signals(signum).name
+        if self.armed:
+            raise _Stopped(name)
+        self.pending = name
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,23 +173,31 @@ def run(args: argparse.Namespace) -> int:
     enable_compile_cache(args)  # before the port and the load: an unusable cache folder is refused at once
     sock = bind_port(args.host, args.port)
     port = sock.getsockname()[1]  # --port 0: the one the system chose
-    previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGINT)}
-    print(f"dspark serve: loading the model for http://{args.host}:{port}/v1", file=sys.stderr, flush=True)
+    handler = _StopWhileLoading()
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    stopped = None
     try:
+        # Inside the try: a supervisor may signal as soon as it reads this line, while print still runs.
+        print(f"dspark serve: loading the model for http://{args.host}:{port}/v1", file=sys.stderr, flush=True)
         import uvicorn
 
         app, loop = build_app(args)
+        handler.armed = False
     except _Stopped as stop:
-        sock.close()
-        print(f"dspark serve: {stop} while loading; stopped", file=sys.stderr, flush=True)
-        exit_now_if_compiling()
-        return 0
+        stopped = str(stop)
     except BaseException:
         sock.close()
         raise
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        handler.armed = False
+        for s, old in previous.items():
+            signal.signal(s, old)
+    stopped = stopped or handler.pending
+    if stopped:
+        sock.close()
+        print(f"dspark serve: {stopped} while loading; stopped", file=sys.stderr, flush=True)
+        exit_now_if_compiling()
+        return 0
     print(f"dspark serve: http://{args.host}:{port}/v1 (compiling; GET /health says ok when ready)",
           file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,

@@ -263,3 +263,42 @@ def test_serve_refuses_a_port_in_use_before_loading_the_model(monkeypatch, capsy
         code, err = _run(["serve", "--random-tiny", "--port", str(port)], capsys)
     assert code == 2 and len(err) == 1, err
     assert f"--port {port}: cannot listen on 127.0.0.1:{port} (another server is listening there)" in err[0], err
+
+
+@pytest.mark.parametrize("moment", ["printing the loading line", "inside the load", "as the load returns"])
+def test_serve_stopped_at_any_moment_of_the_load_exits_0(moment, monkeypatch, capsys):
+    """Issue 40: a supervisor signals as soon as it reads "loading the model", which can be while that
+    line is still being printed; CI once caught the SIGTERM there, outside the handler's try, and the
+    server died with a traceback. Every moment of the load must end in exit 0 and one line."""
+    import builtins
+    import os
+    import signal
+
+    from dspark_jax.serve import serve_cli
+
+    def sigterm():
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def printing(*a, **k):
+        builtins.print(*a, **k)
+        if moment == "printing the loading line" and "loading the model" in str(a[0]):
+            sigterm()
+
+    def load(args):
+        if moment == "inside the load":
+            sigterm()
+            pytest.fail("the signal did not interrupt the load")
+        if moment == "as the load returns":  # after the load, before the handlers are restored
+            serve_cli_handler = signal.getsignal(signal.SIGTERM)
+            serve_cli_handler.armed = False
+            sigterm()
+        return object(), object()
+
+    monkeypatch.setattr(serve_cli, "print", printing, raising=False)
+    monkeypatch.setattr(serve_cli, "build_app", load)
+    monkeypatch.setattr(serve_cli, "serve_until_stopped", lambda *a, **k: pytest.fail("served after a SIGTERM"))
+    before = signal.getsignal(signal.SIGTERM)
+    code, err = _run(["serve", "--random-tiny", "--port", "0", "--compile-cache", "off"], capsys)
+    assert code == 0, err
+    assert err[-1] == "dspark serve: SIGTERM while loading; stopped", err
+    assert signal.getsignal(signal.SIGTERM) is before  # the load's handler is gone again
