@@ -146,15 +146,22 @@ def micro_loss(spec: StepSpec, params, bb_params, mb: dict, normalizer):
     The backbone runs here (teacher logits and taps of every position); everything taken from it is
     under stop_gradient, so its parameters get exactly zero gradient."""
     backbone = spec.backbone_type(spec.backbone_cfg)
-    dcfg, lc = spec.draft_cfg, spec.loss
     tokens = mb["tokens"]
     b, t = tokens.shape
-    blocks = make_blocks(tokens, mb["loss_mask"], mb["anchors"], mb["anchor_valid"], dcfg.block_size,
-                         dcfg.noise_token_id)
-    out = backbone.forward(bb_params, backbone.init_cache(b, t), tokens, taps=dcfg.target_layer_ids,
+    out = backbone.forward(bb_params, backbone.init_cache(b, t), tokens, taps=spec.draft_cfg.target_layer_ids,
                            tap_mode=spec.tap_mode)
-    main_hidden, teacher = jax.lax.stop_gradient(out.taps), jax.lax.stop_gradient(out.logits)
-    tied = jax.lax.stop_gradient(backbone.tied(bb_params))
+    return draft_loss(params, backbone.tied(bb_params), spec.draft_cfg, spec.loss, out.taps, out.logits, mb,
+                      normalizer)
+
+
+def draft_loss(params, tied: dict, dcfg, lc: LossConfig, taps, teacher_logits, mb: dict, normalizer):
+    """The draft's objective on one micro-batch given the backbone's taps [B, T, n_taps*D] and logits
+    [B, T, V] (both, and the tied weights, under stop_gradient): (loss, loss sums). `mb` holds tokens,
+    loss_mask, anchors and anchor_valid as in the batch."""
+    blocks = make_blocks(mb["tokens"], mb["loss_mask"], mb["anchors"], mb["anchor_valid"], dcfg.block_size,
+                         dcfg.noise_token_id)
+    main_hidden, teacher = jax.lax.stop_gradient(taps), jax.lax.stop_gradient(teacher_logits)
+    tied = jax.lax.stop_gradient(tied)
     acts = draft_forward(params, tied, dcfg, main_hidden, blocks, mb["anchors"],
                          detach_conf_inputs=lc.detach_conf_inputs, impl="xla", fp8_grad=lc.fp8_grad)
     sums = block_loss_sums(params, tied, dcfg, acts, teacher, blocks, decay_gamma=lc.decay_gamma,

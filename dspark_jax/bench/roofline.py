@@ -18,6 +18,9 @@ Programs (`--programs`, default all):
                           precision (fp8 dense, fp4 experts: `load_v41_draft(weights="packed")`)
   qwen3_8b/{decode,verify6} a Qwen3-8B-shaped backbone forward, B = 8 rows of 1 / 6 tokens, a cache of
                           4096 slots of which 512 are filled (the minimum reads only the filled part)
+  train/flash             one training step of the V4.1-Flash draft (the trainer's loss, gradient and AdamW
+                          update) on 4 sequences x 256 tokens with 32 anchors (640 query tokens), from the
+                          backbone's taps and logits (the backbone's own forward is not part of it)
 
 These are XLA:CPU compiles: bytes include what the CPU compiler adds (e.g. f32 copies where the CPU has no
 bf16 kernel), which a TPU compile would not; a figure to read with the sources column beside it.
@@ -46,6 +49,7 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
                 max_position_embeddings=40960, param_dtype="bfloat16", compute_dtype="bfloat16")
 QWEN3_SLOTS, QWEN3_MAX_LEN, QWEN3_FILLED = 8, 4096, 512
+TRAIN_BATCH, TRAIN_SEQ, TRAIN_ANCHORS = 4, 256, 32
 # Source functions every dot or cast passes through: the work is credited to their callers.
 GENERIC_HELPERS = ("dspark_jax/nn/linear.py:mixed_einsum", "dspark_jax/nn/rounding.py:", "dspark_jax/nn/platform.py:",
                    "dspark_jax/nn/packed.py:as_compute")
@@ -68,7 +72,7 @@ class Program:
 def default_programs() -> list[str]:
     return ([f"moe/{n}/{r}" for n in MOE_TOKENS for r in ("dense", "routed")]
             + [f"propose/{b}/{w}" for b in PROPOSE_BATCHES for w in ("bf16", "packed")]
-            + ["qwen3_8b/decode", "qwen3_8b/verify6"])
+            + ["qwen3_8b/decode", "qwen3_8b/verify6", "train/flash"])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -149,6 +153,31 @@ def decode_minimum(cfg, rows: int, new: int, filled: int, param_bytes: int, embe
     flops += c.num_hidden_layers * 4 * tokens * c.num_attention_heads * c.head_dim * (filled + new)
     kv_row = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2  # bf16 K and V, every layer
     read = param_bytes - embed_bytes + tokens * c.hidden_size * 2 + rows * filled * kv_row + tokens * kv_row
+    return flops, read + io_bytes
+
+
+def train_minimum(draft: dict, tied: dict, cfg, seqs: int, seq_len: int, anchors: int, opt_bytes: int,
+                  io_bytes: int) -> tuple[float, float]:
+    """(flops, bytes) of one draft training step: the context rows (main_proj and each block's KV
+    projection) for every position, the block body for the seqs x anchors x K query tokens (MoE at top-k),
+    each 6x (forward + both backward products); the frozen tied head 4x (forward + the input's gradient),
+    the trained Markov head 6x; attention over window + K keys, 3x. Bytes: every weight read once and
+    written once, the optimizer state read and written once, the taps read, only the teacher-logit rows
+    the loss scores, the embedding rows of the query tokens."""
+    context, query = seqs * seq_len, seqs * anchors * cfg.block_size
+    kv_proj = sum(matrix_params(b["attn"]["wkv"]) for n, b in draft.items() if n.startswith("blocks_"))
+    flops = 6 * context * (matrix_params(draft["main_proj"]) + kv_proj)
+    for name, block in draft.items():
+        if name.startswith("blocks_"):
+            moe_flops, _ = moe_minimum(block["ffn"], query, cfg.n_activated_experts, 0)
+            rest = {k: v for k, v in block.items() if k != "ffn"}
+            flops += 3 * moe_flops + 6 * query * matrix_params(rest)
+            flops += 3 * 4 * query * cfg.n_heads * cfg.head_dim * (cfg.window + cfg.block_size)
+    head, markov = tied["head"], draft.get("markov", {})
+    flops += 4 * query * math.prod(head.shape) + (6 * query * math.prod(markov["head"].shape) if markov else 0)
+    weights = array_bytes(draft)
+    read = 2 * weights + 2 * opt_bytes + array_bytes(head) + query * (head.shape[1] + 1) * head.dtype.itemsize
+    read += query * cfg.vocab_size * 4  # the teacher's f32 logits at the scored positions
     return flops, read + io_bytes
 
 
@@ -242,6 +271,42 @@ def qwen3_program(new: int) -> Program:
     return Program(name, fn, (params, cache, tokens), flops, nbytes, donate=(1,))
 
 
+def train_program(cfg=None) -> Program:
+    """One step of `train.trainer` on the draft of `cfg` (default: the V4.1-Flash draft's) without the
+    backbone's forward: `draft_loss` from given taps and teacher logits, its gradient, the trainer's
+    optimizer (clip + AdamW) applied."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import optax  # noqa: PLC0415
+
+    from dspark_jax import drafts, lowering  # noqa: PLC0415
+    from dspark_jax.train.config import LossConfig, OptimConfig  # noqa: PLC0415
+    from dspark_jax.train.trainer import draft_loss, make_optimizer  # noqa: PLC0415
+
+    cfg = cfg or lowering.flash_config()
+    b, t, n = TRAIN_BATCH, TRAIN_SEQ, TRAIN_ANCHORS
+    tx = make_optimizer(OptimConfig(), steps=1000)
+    params = drafts.abstract_params(cfg)
+    opt_state = jax.eval_shape(tx.init, params)
+    tied = lowering.flash_pair("xla", cfg=cfg, slots=1).weights.tied
+    taps = _sds((b, t, cfg.main_hidden_dim), jnp.bfloat16)
+    teacher = _sds((b, t, cfg.vocab_size), jnp.float32)
+    mb = {"tokens": _sds((b, t), jnp.int32), "loss_mask": _sds((b, t), jnp.bool_),
+          "anchors": _sds((b, n), jnp.int32), "anchor_valid": _sds((b, n), jnp.bool_)}
+    args = (params, opt_state, tied, taps, teacher, mb, _sds((), jnp.float32))
+
+    def fn(params, opt_state, tied, taps, teacher, mb, normalizer):
+        (loss, _), grads = jax.value_and_grad(
+            lambda p: draft_loss(p, tied, cfg, LossConfig(), taps, teacher, mb, normalizer), has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_bytes = array_bytes(opt_state)
+    io = array_bytes((taps, mb)) + 8  # the taps and the batch read, the loss written (teacher rows: below)
+    flops, nbytes = train_minimum(params, tied, cfg, b, t, n, opt_bytes, io)
+    return Program("train/flash", fn, args, flops, nbytes, donate=(0, 1))
+
+
 def build(name: str) -> Program:
     """The program `name` (see the module help)."""
     parts = name.split("/")
@@ -250,6 +315,8 @@ def build(name: str) -> Program:
             return moe_program(int(parts[1]), parts[2])
         if parts[0] == "propose" and len(parts) == 3 and parts[2] in ("bf16", "packed"):
             return propose_program(int(parts[1]), parts[2])
+        if name == "train/flash":
+            return train_program()
         if parts[0] == "qwen3_8b" and len(parts) == 2:
             if parts[1] == "decode":
                 return qwen3_program(1)
@@ -258,7 +325,7 @@ def build(name: str) -> Program:
     except ValueError:
         pass
     raise UserError(f"--programs: unknown program {name!r}; names look like {', '.join(default_programs()[:3])}, "
-                    "propose/8/packed, qwen3_8b/decode, qwen3_8b/verify6")
+                    "propose/8/packed, qwen3_8b/decode, qwen3_8b/verify6, train/flash")
 
 
 # ---- measuring ----------------------------------------------------------------------------------------

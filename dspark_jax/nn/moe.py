@@ -25,7 +25,7 @@ from dspark_jax.nn.params import fan_in_normal, param
 from dspark_jax.nn.platform import by_platform
 from dspark_jax.nn.quant import fp8_quant_dequant
 from dspark_jax.nn.rounding import to_dtype
-from dspark_jax.nn.rows import take_rows
+from dspark_jax.nn.rows import put_row, readable, take_rows, writable
 
 
 def gate_scores(x: jax.Array, gate_kernel: jax.Array, score_func: str = "sqrtsoftplus") -> jax.Array:
@@ -248,19 +248,28 @@ def _tile_loop_forward(config, xa, tile_weight, stacks, tile_expert, tile_pairs)
 def _tile_loop_backward(config, residuals, d_out):
     xa, tile_weight, stacks, tile_expert, tile_pairs = residuals
     k = config[0]
+    dtypes = jax.tree.map(lambda a: a.dtype, stacks)
 
+    # The tiles come sorted by expert (`expert_tiles`), so an expert's gradient is a running f32 sum over its
+    # consecutive tiles, written into its slice after each tile (the last write holds the whole sum). The
+    # write replaces one slice of a table kept in `rows.writable` form: adding into a bf16 stack instead
+    # made XLA:CPU convert the whole stack to f32 and back, and copy it, every tile (roofline train/flash).
     def one_tile(carry, xs):
-        d_xa, d_stacks = carry
+        d_xa, d_stacks, running, previous = carry
         e, pairs, weight, d_tile = xs
         rows = pairs // k
         _, tile_vjp = jax.vjp(functools.partial(_tile_outputs, config), xa[rows], weight, _expert_slices(stacks, e))
         d_rows, d_weight, d_slices = tile_vjp(d_tile)
         d_xa = d_xa.at[rows].add(d_rows.astype(jnp.float32))  # padding rows carry a zero cotangent
-        d_stacks = jax.tree.map(lambda acc, d: acc.at[e].add(d.astype(acc.dtype)), d_stacks, d_slices)
-        return (d_xa, d_stacks), d_weight
+        running = jax.tree.map(lambda r, d: jnp.where(e == previous, r, 0.0) + d.astype(r.dtype), running, d_slices)
+        d_stacks = jax.tree.map(lambda acc, r, dt: put_row(acc, e, r, dt), d_stacks, running, dtypes)
+        return (d_xa, d_stacks, running, e), d_weight
 
-    init = (jnp.zeros(xa.shape, jnp.float32), jax.tree.map(jnp.zeros_like, stacks))
-    (d_xa, d_stacks), d_weight = jax.lax.scan(one_tile, init, (tile_expert, tile_pairs, tile_weight, d_out))
+    zeros = jax.tree.map(lambda a: writable(jnp.zeros_like(a)), stacks)
+    running = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], jnp.promote_types(a.dtype, jnp.float32)), stacks)
+    init = (jnp.zeros(xa.shape, jnp.float32), zeros, running, jnp.int32(-1))
+    (d_xa, d_stacks, _, _), d_weight = jax.lax.scan(one_tile, init, (tile_expert, tile_pairs, tile_weight, d_out))
+    d_stacks = jax.tree.map(readable, d_stacks, dtypes)
     return d_xa.astype(xa.dtype), d_weight, d_stacks, None, None
 
 

@@ -9,6 +9,10 @@ are turned back into bf16: the same bits on every platform (TPU and GPU move bf1
 
 A bit view has no gradient, so each reader has its own backward pass: the rows' cotangent added into a
 zero table (what differentiating a gather or a slice gives). Other dtypes are read directly.
+
+Writing one row into a bf16 table has the same trap (a bf16 dynamic-update-slice on an f32 copy of the
+whole table, then converted back): `writable` / `put_row` / `readable` keep such a table in its uint16
+view while rows are written into it, e.g. a gradient accumulated one expert at a time in a loop.
 """
 
 from __future__ import annotations
@@ -66,3 +70,20 @@ def _slice_backward(size, residuals, d_rows):
 
 
 slice_rows.defvjp(_slice_forward, _slice_backward)
+
+
+def writable(table: jax.Array) -> jax.Array:
+    """`table` in the form `put_row` writes into: a bf16 table's uint16 view, other dtypes as they are."""
+    return _bits(table) if table.dtype == jnp.bfloat16 else table
+
+
+def put_row(table: jax.Array, index: jax.Array, row: jax.Array, dtype) -> jax.Array:
+    """`writable` table (of `dtype` rows) with row `index` along axis 0 replaced by `row` cast to `dtype`."""
+    value = row.astype(dtype)
+    value = _bits(value) if jnp.dtype(dtype) == jnp.bfloat16 else value
+    return jax.lax.dynamic_update_index_in_dim(table, value, index, axis=0)
+
+
+def readable(table: jax.Array, dtype) -> jax.Array:
+    """The `writable` table back as a `dtype` array."""
+    return _bf16(table) if jnp.dtype(dtype) == jnp.bfloat16 else table

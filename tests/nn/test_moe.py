@@ -172,26 +172,42 @@ def test_routed_moe_equals_all_experts_bit_for_bit_at_bf16(n_experts, top_k, n_t
             np.testing.assert_array_equal(got, want, err_msg=f"{name}, act_fp8={act_fp8}")
 
 
-@pytest.mark.parametrize("n_tokens", [2, 40])
-def test_routed_moe_gradient_equals_all_experts(n_tokens):
+@pytest.mark.parametrize("n_tokens,routing,stack_dtype", [(2, "gate", jnp.float32), (40, "gate", jnp.float32),
+                                                          (40, "experts 0, 7, 15", jnp.float32),
+                                                          (40, "gate", jnp.bfloat16)])
+def test_routed_moe_gradient_equals_all_experts(n_tokens, routing, stack_dtype):
     """Differentiable, to the same gradient: of the tokens, the routing weights and every expert's matrices
-    (the experts nobody picked get exactly zero). f32 compute; the tolerance is f32 summation order."""
+    (the experts nobody picked get exactly zero). f32 compute; the tolerance is f32 summation order. At 40
+    tokens each expert spans several tiles, whose gradients the backward pass sums; "experts 0, 7, 15"
+    sends every token to the same three (the last expert also owns the spare tiles at the end); bf16
+    stacks are the trained draft's (their gradient, accumulated in f32, is rounded once to bf16)."""
     import jax
 
     x, weights, idx, stacks, shared = _routed_case(16, 3, n_tokens, dtype=jnp.float32)
+    if routing != "gate":
+        idx = jnp.broadcast_to(jnp.asarray([0, 7, 15], jnp.int32), idx.shape)
+    stacks = jax.tree.map(lambda a: a.astype(stack_dtype), stacks)
     probe = jnp.asarray(RNG.normal(size=(n_tokens, 64)), jnp.float32)
 
     def loss(ffn, **kw):
         return lambda x, weights, stacks: jnp.sum(ffn(x, weights, idx, stacks, shared, limit=7.0, **kw) * probe)
 
-    want = jax.jit(jax.grad(loss(moe_ffn), argnums=(0, 1, 2)))(x, weights, stacks)
+    want = jax.jit(jax.grad(loss(moe_ffn), argnums=(0, 1, 2)))(x, weights, jax.tree.map(lambda a: a.astype(jnp.float32),
+                                                                                        stacks))
     got = jax.jit(jax.grad(loss(routed_moe_ffn, compute_dtype=jnp.float32), argnums=(0, 1, 2)))(x, weights, stacks)
     unpicked = np.setdiff1d(np.arange(16), np.asarray(idx))
     for path, g, w in zip(["x", "weights", "w1", "w2", "w3"], jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-6 * float(jnp.abs(w).max()),
-                                   err_msg=path)
+        assert g.dtype == (stack_dtype if path.startswith("w") and path != "weights" else jnp.float32), path
+        g = np.asarray(g.astype(jnp.float32))
+        w = np.asarray(w)
+        if stack_dtype == jnp.bfloat16 and path.startswith("w") and path != "weights":
+            # Each tile's gradient is rounded to bf16 (the cotangent of a bf16 operand), the tiles' sum to
+            # bf16 again: a few bf16 half-steps of the largest entry, where a lost tile would be whole entries.
+            np.testing.assert_allclose(g, w, rtol=0, atol=2 ** -7 * float(np.abs(w).max()), err_msg=path)
+        else:
+            np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6 * float(np.abs(w).max()), err_msg=path)
         if path.startswith("w") and path != "weights":
-            assert not np.any(np.asarray(g)[unpicked]), path
+            assert not np.any(g[unpicked]), path
 
 
 @pytest.mark.parametrize("routing", ["balanced", "one expert", "two experts"])

@@ -41,3 +41,29 @@ def test_reading_rows_of_a_bf16_table_moves_the_rows_not_the_table():
 
     assert bytes_of(lambda t, i: jnp.take(t, i, axis=0).astype(jnp.float32)) > table_bytes  # the f32 copy
     assert bytes_of(lambda t, i: take_rows(t, i).astype(jnp.float32)) < 0.01 * table_bytes
+
+
+def test_writing_rows_into_a_bf16_table_moves_the_rows_not_the_table():
+    """The same trap for writes: a bf16 dynamic-update-slice XLA:CPU computes on an f32 copy of the whole
+    table. In `writable` form a row written in a loop moves that row, and reads back as bf16."""
+    from dspark_jax.nn.rows import put_row, readable, writable
+
+    table = jax.ShapeDtypeStruct((512, 4096), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((16, 4096), jnp.float32)
+    table_bytes = 512 * 4096 * 2
+
+    def fill(write):
+        return lambda t, r: jax.lax.fori_loop(0, 16, lambda i, t: write(t, 3 * i, r[i]), t)
+
+    plain = fill(lambda t, i, row: jax.lax.dynamic_update_index_in_dim(t, row.astype(jnp.bfloat16), i, 0))
+    viewed = lambda t, r: readable(fill(lambda t, i, row: put_row(t, i, row, jnp.bfloat16))(writable(t), r),  # noqa: E731
+                                   jnp.bfloat16)
+
+    def bytes_of(f):
+        return hlo_cost.analyze(jax.jit(f, donate_argnums=0).lower(table, rows).compile().as_text()).bytes
+
+    assert bytes_of(plain) > 16 * table_bytes  # a whole-table round trip per row
+    assert bytes_of(viewed) < 3 * table_bytes  # the rows, and at most one copy of the table in and out
+    t = jnp.asarray(RNG.normal(size=(512, 4096)), jnp.bfloat16)
+    r = jnp.asarray(RNG.normal(size=(16, 4096)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(viewed)(t, r)), np.asarray(jax.jit(plain)(t, r)))
