@@ -109,3 +109,30 @@ def test_interface_details(family):
         bb.commit(cache, jnp.zeros((3,), jnp.int32))
     committed = jax.jit(bb.commit)(cache, jnp.asarray([2, 0]))
     assert committed.length.tolist() == [2, 0]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_cache_write_equals_a_scatter_forward_and_backward(dtype):
+    """`write_rows` writes a bf16 cache through its uint16 view (issue 38: XLA:CPU scattered bf16 on an f32
+    copy of the whole cache) and has its own backward pass, since the bit view has no derivative: both
+    must be those of `.at[layer, b, positions].set` (out-of-range positions dropped, no gradient)."""
+    from dspark_jax.backbones.base import write_rows
+
+    rng = np.random.default_rng(5)
+    store = jnp.asarray(rng.normal(size=(3, 2, 6, 4)), dtype)
+    new = jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32)
+    positions = jnp.asarray([[1, 2, 3], [4, 5, 6]])  # row 1's last position is past the cache: dropped
+    b = jnp.arange(2)[:, None]
+
+    def scatter(store, layer, new, positions):
+        return store.at[layer, b, positions].set(new.astype(store.dtype), mode="drop")
+
+    probe = jnp.asarray(rng.normal(size=store.shape), jnp.float32)
+    for layer in (0, 2):
+        want = scatter(store, layer, new, positions)
+        np.testing.assert_array_equal(np.asarray(jax.jit(write_rows)(store, layer, new, positions)), np.asarray(want))
+        grad = lambda f: jax.grad(lambda s, n: jnp.sum(f(s, layer, n, positions).astype(jnp.float32) * probe),  # noqa: E731
+                                  argnums=(0, 1))(store, new)
+        for got, exp in zip(jax.jit(lambda: grad(write_rows))(), grad(scatter)):
+            assert got.dtype == exp.dtype
+            np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(exp.astype(jnp.float32)))
