@@ -17,6 +17,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "acceptance": ("dspark_jax.bench.acceptance", "tau and per-position acceptance of the embedded drafts"),
     "roofline": ("dspark_jax.bench.roofline", "compiled flops and bytes of real-size programs against their "
                                               "analytic minimum"),
+    "moe": ("dspark_jax.bench.moe", "wall clock of a many-expert draft's propose and training step, all-experts "
+                                    "MoE against routed, side by side"),
     "memory": ("dspark_jax.bench.memory", "device memory per chip of the serving programs on a TPU pod mesh"),
     "compile": ("dspark_jax.bench.compile", "per-call wall time and compiles of successive generate calls; "
                                             "first token and ready per compile policy"),

@@ -219,14 +219,15 @@ def moe_program(tokens: int, routing: str, cfg=None) -> Program:
     return Program(f"moe/{tokens}/{routing}", fn, (params, x), flops, nbytes)
 
 
-def propose_program(rows: int, weights: str) -> Program:
+def propose_program(rows: int, weights: str, cfg=None) -> Program:
+    """`propose` of the draft of `cfg` (default: the V4.1-Flash draft's) for `rows` requests."""
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
     from dspark_jax import drafts, lowering, sampling  # noqa: PLC0415
     from dspark_jax.checkpoint import v41  # noqa: PLC0415
 
-    cfg = lowering.flash_config()
+    cfg = cfg or lowering.flash_config()
     draft = v41.abstract_packed_params(cfg) if weights == "packed" else None
     pair = lowering.flash_pair("xla", cfg=cfg, draft_params=draft, slots=rows)
     state = jax.eval_shape(lambda: drafts.init_state(cfg, rows))
@@ -271,7 +272,7 @@ def qwen3_program(new: int) -> Program:
     return Program(name, fn, (params, cache, tokens), flops, nbytes, donate=(1,))
 
 
-def train_program(cfg=None) -> Program:
+def train_program(cfg=None, seqs: int = TRAIN_BATCH, seq_len: int = TRAIN_SEQ, anchors: int = TRAIN_ANCHORS) -> Program:
     """One step of `train.trainer` on the draft of `cfg` (default: the V4.1-Flash draft's) without the
     backbone's forward: `draft_loss` from given taps and teacher logits, its gradient, the trainer's
     optimizer (clip + AdamW) applied."""
@@ -284,7 +285,7 @@ def train_program(cfg=None) -> Program:
     from dspark_jax.train.trainer import draft_loss, make_optimizer  # noqa: PLC0415
 
     cfg = cfg or lowering.flash_config()
-    b, t, n = TRAIN_BATCH, TRAIN_SEQ, TRAIN_ANCHORS
+    b, t, n = seqs, seq_len, anchors
     tx = make_optimizer(OptimConfig(), steps=1000)
     params = drafts.abstract_params(cfg)
     opt_state = jax.eval_shape(tx.init, params)

@@ -92,6 +92,9 @@ class DSparkConfig:
     act_fp8: bool = False  # emulate the official activation fp8 before fp8/fp4 GEMMs (bit-closer parity)
     param_dtype: str = "bfloat16"
     compute_dtype: str = "bfloat16"
+    # The MoE's path (`nn.moe.MoE.routing`): "auto" (routed for E > 2k), "routed" or "dense" (every expert on
+    # every token). Same numbers either way; `dspark bench moe` times the two side by side.
+    moe_routing: str = "auto"
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -158,6 +161,8 @@ class DSparkConfig:
         for name in ("param_dtype", "compute_dtype"):
             check_field(getattr(self, name) in ("float32", "bfloat16"), name, "'float32' or 'bfloat16'",
                         getattr(self, name))
+        check_field(self.moe_routing in ("auto", "routed", "dense"), "moe_routing", "'auto', 'routed' or 'dense'",
+                    self.moe_routing)
         if self.kv_fp8 or self.act_fp8:
             check_field(self.head_dim % 32 == 0, "head_dim", "a multiple of 32 (fp8 blocks of 32 values)",
                         self.head_dim)

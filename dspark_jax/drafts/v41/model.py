@@ -55,7 +55,7 @@ class Block(MhcBlock):
         self.attn = WindowAttention(c, impl=self.impl, fp8_grad=self.fp8_grad)
         self.ffn = MoE(c.dim, c.n_routed_experts, c.n_activated_experts, c.moe_inter_dim, c.n_shared_experts,
                        c.route_scale, c.score_func, c.norm_topk_prob, c.swiglu_limit, c.param_dtype,
-                       c.compute_dtype, c.act_fp8, c.vision, self.fp8_grad)
+                       c.compute_dtype, c.act_fp8, c.vision, self.fp8_grad, c.moe_routing)
 
     def context_kv(self, main_x: jax.Array, positions: jax.Array) -> jax.Array:
         return self.attn.kv(main_x, positions)

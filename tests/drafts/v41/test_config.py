@@ -354,3 +354,12 @@ def test_a_draft_that_does_not_fit_its_backbone_is_refused_before_any_compile(ch
     with pytest.raises(ConfigError) as info:
         sr.SpecModel(backbone, DSparkConfig.from_dict(dict(raw, **change)))
     assert needle in str(info.value), info.value
+
+
+def test_moe_routing_is_ours_and_checked(tmp_path):
+    """`moe_routing` (ours, default "auto") picks the MoE path; a wrong value names the field."""
+    ours = DSparkConfig.from_json(CONFIGS / "tiny_v41.json").to_dict()
+    assert ours["moe_routing"] == "auto"
+    assert _load(dict(ours, moe_routing="dense"), tmp_path).moe_routing == "dense"
+    with pytest.raises(ConfigError, match="'moe_routing'"):
+        _load(dict(ours, moe_routing="sparse"), tmp_path)
