@@ -18,9 +18,10 @@ Programs (`--programs`, default all):
                           precision (fp8 dense, fp4 experts: `load_v41_draft(weights="packed")`)
   qwen3_8b/{decode,verify6} a Qwen3-8B-shaped backbone forward, B = 8 rows of 1 / 6 tokens, a cache of
                           4096 slots of which 512 are filled (the minimum reads only the filled part)
-  train/flash             one training step of the V4.1-Flash draft (the trainer's loss, gradient and AdamW
+  train/flash[/dense]     one training step of the V4.1-Flash draft (the trainer's loss, gradient and AdamW
                           update) on 4 sequences x 256 tokens with 32 anchors (640 query tokens), from the
-                          backbone's taps and logits (the backbone's own forward is not part of it)
+                          backbone's taps and logits (the backbone's own forward is not part of it); /dense:
+                          with the all-experts MoE (the draft's `moe_routing`), as before issue 38
 
 These are XLA:CPU compiles: bytes include what the CPU compiler adds (e.g. f32 copies where the CPU has no
 bf16 kernel), which a TPU compile would not; a figure to read with the sources column beside it.
@@ -72,7 +73,7 @@ class Program:
 def default_programs() -> list[str]:
     return ([f"moe/{n}/{r}" for n in MOE_TOKENS for r in ("dense", "routed")]
             + [f"propose/{b}/{w}" for b in PROPOSE_BATCHES for w in ("bf16", "packed")]
-            + ["qwen3_8b/decode", "qwen3_8b/verify6", "train/flash"])
+            + ["qwen3_8b/decode", "qwen3_8b/verify6", "train/flash", "train/flash/dense"])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -272,7 +273,8 @@ def qwen3_program(new: int) -> Program:
     return Program(name, fn, (params, cache, tokens), flops, nbytes, donate=(1,))
 
 
-def train_program(cfg=None, seqs: int = TRAIN_BATCH, seq_len: int = TRAIN_SEQ, anchors: int = TRAIN_ANCHORS) -> Program:
+def train_program(cfg=None, seqs: int = TRAIN_BATCH, seq_len: int = TRAIN_SEQ, anchors: int = TRAIN_ANCHORS,
+                  name: str = "train/flash") -> Program:
     """One step of `train.trainer` on the draft of `cfg` (default: the V4.1-Flash draft's) without the
     backbone's forward: `draft_loss` from given taps and teacher logits, its gradient, the trainer's
     optimizer (clip + AdamW) applied."""
@@ -305,7 +307,7 @@ def train_program(cfg=None, seqs: int = TRAIN_BATCH, seq_len: int = TRAIN_SEQ, a
     opt_bytes = array_bytes(opt_state)
     io = array_bytes((taps, mb)) + 8  # the taps and the batch read, the loss written (teacher rows: below)
     flops, nbytes = train_minimum(params, tied, cfg, b, t, n, opt_bytes, io)
-    return Program("train/flash", fn, args, flops, nbytes, donate=(0, 1))
+    return Program(name, fn, args, flops, nbytes, donate=(0, 1))
 
 
 def build(name: str) -> Program:
@@ -316,8 +318,11 @@ def build(name: str) -> Program:
             return moe_program(int(parts[1]), parts[2])
         if parts[0] == "propose" and len(parts) == 3 and parts[2] in ("bf16", "packed"):
             return propose_program(int(parts[1]), parts[2])
-        if name == "train/flash":
-            return train_program()
+        if name in ("train/flash", "train/flash/dense"):  # dense: the all-experts MoE, as before issue 38
+            from dspark_jax.lowering import flash_config  # noqa: PLC0415
+
+            return train_program(flash_config().replace(moe_routing="dense" if name.endswith("dense") else "auto"),
+                                 name=name)
         if parts[0] == "qwen3_8b" and len(parts) == 2:
             if parts[1] == "decode":
                 return qwen3_program(1)
