@@ -223,5 +223,61 @@ def _write_rows_backward(residuals, d_out):
 write_rows.defvjp(_write_rows_forward, _write_rows_backward)
 
 
+# A layer loop that writes a bf16 cache layer by layer pays `write_rows`' view twice per layer (XLA:CPU
+# copies the whole cache into and out of the uint16 view: 4 x 87 GB per Qwen3-8B decode step). It can
+# carry the view instead: `cache_view` once before the loop, `write_and_read` in each layer,
+# `cache_from_view` after it. The view has no derivative, so `write_and_read` carries the gradient from the
+# layer's rows to the new entries itself, and a gradient with respect to the incoming cache is refused
+# (no caller takes one; JAX would give a silent zero).
+@jax.custom_vjp
+def cache_view(store: jax.Array) -> jax.Array:
+    """The layer-stacked cache in the form `write_and_read` writes (`nn.rows.writable`)."""
+    return writable(store)
+
+
+def _cache_view_forward(store):
+    return cache_view(store), None
+
+
+def _cache_view_backward(_, d_view):
+    raise NotImplementedError("a gradient with respect to the incoming KV cache is not supported: the layer "
+                              "loop carries the cache as a bit view (backbones.base.cache_view)")
+
+
+cache_view.defvjp(_cache_view_forward, _cache_view_backward)
+
+
+def cache_from_view(view: jax.Array, dtype) -> jax.Array:
+    return readable(view, dtype)
+
+
+def _entry_dtype(view: jax.Array):
+    """The dtype of the cache a `cache_view` shows (`writable` turns only bf16 into uint16)."""
+    return jnp.dtype(jnp.bfloat16) if view.dtype == jnp.uint16 else view.dtype
+
+
+@jax.custom_vjp
+def write_and_read(view: jax.Array, layer, new: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`write_rows` on a `cache_view`, and that layer's cache [B, S, ...] in the cache's dtype."""
+    dtype = _entry_dtype(view)
+    view = view.at[layer, _batch_rows(new), positions].set(writable(new.astype(dtype)), mode="drop")
+    return view, readable(view[layer], dtype)
+
+
+def _write_and_read_forward(view, layer, new, positions):
+    return write_and_read(view, layer, new, positions), (positions, jnp.zeros((), new.dtype))
+
+
+def _write_and_read_backward(residuals, cotangents):
+    positions, zero = residuals
+    _, d_rows = cotangents  # the view's own cotangent carries nothing: see cache_view
+    b = jnp.broadcast_to(_batch_rows(positions), positions.shape)
+    d_new = d_rows.at[b, positions].get(mode="fill", fill_value=0).astype(zero.dtype)
+    return None, None, d_new, None
+
+
+write_and_read.defvjp(_write_and_read_forward, _write_and_read_backward)
+
+
 def as_dtype(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]

@@ -38,8 +38,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.backbones.base import (Backbone, BackboneOutput, as_dtype, at_positions, cache_visibility,
-                                       query_positions, record_taps, taps_to_features, write_rows)
+from dspark_jax.backbones.base import (Backbone, BackboneOutput, as_dtype, at_positions, cache_from_view,
+                                       cache_view, cache_visibility, query_positions, record_taps,
+                                       taps_to_features, write_and_read)
 from dspark_jax.nn.attention import KeySegment, grouped_query_attention
 from dspark_jax.nn.linear import mixed_einsum
 from dspark_jax.nn.norm import RMSNorm, rms_norm
@@ -224,9 +225,9 @@ class _Layer(Qwen3DecoderLayer):
         taps = record_taps(taps, x, layer, self.tap_states)
 
         def attend(q, k, v):  # write this call's rows, then attend over the layer's cache
-            k_cache, v_cache = write_rows(k_all, layer, k, positions), write_rows(v_all, layer, v, positions)
-            o = grouped_query_attention(q, [KeySegment(k_cache[layer], v_cache[layer], visible)],
-                                        scale=self.cfg.head_dim ** -0.5)
+            k_cache, k_rows = write_and_read(k_all, layer, k, positions)
+            v_cache, v_rows = write_and_read(v_all, layer, v, positions)
+            o = grouped_query_attention(q, [KeySegment(k_rows, v_rows, visible)], scale=self.cfg.head_dim ** -0.5)
             return o, (k_cache, v_cache)
 
         x, (k_all, v_all) = self.residual(x, positions, attend)
@@ -252,8 +253,11 @@ class _Qwen3(nn.Module):
         layers = nn.scan(_Layer, variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_hidden_layers,
                          metadata_params={nn.PARTITION_NAME: "layers"})
-        (x, k_cache, v_cache, taps), _ = layers(c, self.tap_states, name="layers")(
-            (x, k_cache, v_cache, taps), jnp.arange(c.num_hidden_layers, dtype=jnp.int32), positions, visible)
+        # The layers carry the cache as a bit view (`cache_view`: one conversion, not two per layer).
+        (x, k_view, v_view, taps), _ = layers(c, self.tap_states, name="layers")(
+            (x, cache_view(k_cache), cache_view(v_cache), taps), jnp.arange(c.num_hidden_layers, dtype=jnp.int32),
+            positions, visible)
+        k_cache, v_cache = cache_from_view(k_view, k_cache.dtype), cache_from_view(v_view, v_cache.dtype)
         taps = record_taps(taps, x, c.num_hidden_layers, self.tap_states)
         x = at_positions(x, logits_at)
         x = RMSNorm(c.hidden_size, c.rms_norm_eps, c.param_dtype, name="norm")(x)

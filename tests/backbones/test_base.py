@@ -136,3 +136,40 @@ def test_cache_write_equals_a_scatter_forward_and_backward(dtype):
         for got, exp in zip(jax.jit(lambda: grad(write_rows))(), grad(scatter)):
             assert got.dtype == exp.dtype
             np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(exp.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_layer_loop_on_the_cache_view_gives_the_scatter_loops_tokens_and_gradient(dtype, monkeypatch):
+    """Qwen3's layer loop carries the cache as a bit view (`cache_view`, `write_and_read`: issue 38, one
+    conversion per step instead of two per layer). Logits, the written cache and the parameters'
+    gradient through the cache equal those of the plain loop (scatter into the cache, read the layer),
+    and a gradient with respect to the incoming cache is refused, not silently zero."""
+    from dspark_jax.backbones import qwen3
+
+    bb = Qwen3Backbone(Qwen3Config.from_hf_json(QWEN_JSON, tie_word_embeddings=False, compute_dtype=dtype,
+                                                param_dtype=dtype))
+    params = bb.init_params(jax.random.key(3))
+    tokens = jnp.asarray(random_tokens(4, (B, 6)))
+    cache = bb.init_cache(B, MAX_LEN)._replace(length=jnp.asarray([0, 5], jnp.int32))
+    probe = jnp.asarray(np.random.default_rng(1).normal(size=(B, 6, bb.vocab_size)), jnp.float32)
+
+    def run():
+        out = jax.jit(bb.forward)(params, cache, tokens)
+        grad = jax.jit(jax.grad(lambda p: jnp.sum(bb.forward(p, cache, tokens).logits * probe)))(params)
+        return out, grad
+
+    def plain_write_and_read(store, layer, new, positions):
+        store = store.at[layer, jnp.arange(B)[:, None], positions].set(new.astype(store.dtype), mode="drop")
+        return store, store[layer]
+
+    viewed = run()
+    monkeypatch.setattr(qwen3, "cache_view", lambda store: store)
+    monkeypatch.setattr(qwen3, "cache_from_view", lambda view, dtype: view)
+    monkeypatch.setattr(qwen3, "write_and_read", plain_write_and_read)
+    plain = run()
+    for got, want in zip(jax.tree.leaves(viewed), jax.tree.leaves(plain)):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    monkeypatch.undo()
+    with pytest.raises(NotImplementedError, match="incoming KV cache"):
+        jax.grad(lambda k: jnp.sum(bb.forward(params, cache._replace(k=k), tokens).logits))(cache.k)
