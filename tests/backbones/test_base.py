@@ -173,3 +173,21 @@ def test_layer_loop_on_the_cache_view_gives_the_scatter_loops_tokens_and_gradien
     monkeypatch.undo()
     with pytest.raises(NotImplementedError, match="incoming KV cache"):
         jax.grad(lambda k: jnp.sum(bb.forward(params, cache._replace(k=k), tokens).logits))(cache.k)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_write_and_read_equals_a_scatter_at_every_start_including_past_the_cache(dtype):
+    """Each row's entries are one dynamic-update-slice, whose start XLA clamps: a row that runs past the
+    cache must still write only its in-range entries, to their own slots, and keep the others."""
+    from dspark_jax.backbones.base import cache_from_view, cache_view, write_and_read
+
+    rng = np.random.default_rng(9)
+    slots, t = 8, 3
+    store = jnp.asarray(rng.normal(size=(2, 5, slots, 4)), dtype)
+    new = jnp.asarray(rng.normal(size=(5, t, 4)), jnp.float32)
+    starts = jnp.asarray([0, slots - t, slots - 2, slots - 1, slots + 1], jnp.int32)  # fits, fits, 2, 1, 0 land
+    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)
+    want = store.at[1, jnp.arange(5)[:, None], positions].set(new.astype(dtype), mode="drop")
+    view, rows = jax.jit(write_and_read)(cache_view(store), 1, new, positions)
+    np.testing.assert_array_equal(np.asarray(cache_from_view(view, dtype)), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(want[1]))
