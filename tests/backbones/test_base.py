@@ -191,3 +191,26 @@ def test_write_and_read_equals_a_scatter_at_every_start_including_past_the_cache
     view, rows = jax.jit(write_and_read)(cache_view(store), 1, new, positions)
     np.testing.assert_array_equal(np.asarray(cache_from_view(view, dtype)), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(rows), np.asarray(want[1]))
+
+
+def test_a_cache_sharded_over_rows_is_written_without_gathering_it():
+    """On a mesh the cache's rows are split over `data`. A write at a dynamic row (one dynamic-update-slice
+    per row was tried, issue 38) makes the SPMD partitioner all-gather the WHOLE cache; the scatter gathers
+    only the new entries. No all-gather in the compiled step may be cache-sized."""
+    import re
+
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    bb = Qwen3Backbone(Qwen3Config.from_hf_json(QWEN_JSON, compute_dtype="bfloat16", param_dtype="bfloat16"))
+    params = bb.init_params(jax.random.key(0))
+    mesh = Mesh(np.asarray(jax.devices()[:4]), ("data",))
+    rows = NamedSharding(mesh, PartitionSpec("data"))
+    cache = bb.init_cache(8, MAX_LEN)
+    kv = NamedSharding(mesh, PartitionSpec(None, "data"))
+    cache = cache._replace(length=jax.device_put(cache.length, rows), k=jax.device_put(cache.k, kv),
+                           v=jax.device_put(cache.v, kv))
+    tokens = jax.device_put(jnp.ones((8, 2), jnp.int32), rows)
+    text = jax.jit(lambda p, c, t: bb.forward(p, c, t).cache).lower(params, cache, tokens).compile().as_text()
+    gathered = [int(np.prod([int(d) for d in dims.split(",")]))
+                for dims in re.findall(r"\w+\[([\d,]+)\]\S* all-gather", text)]
+    assert max(gathered, default=0) < cache.k.size // 4, gathered
