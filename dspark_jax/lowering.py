@@ -108,7 +108,8 @@ def _joining(pair: Pair, mesh) -> ds.Joining:
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     rows = ds.Joining(i32(j), i32(j, p), i32(j),
                       sampling.SamplingParams(jax.ShapeDtypeStruct((j,), jnp.float32), i32(j),
-                                              jax.ShapeDtypeStruct((j,), jnp.float32)),
+                                              jax.ShapeDtypeStruct((j,), jnp.float32),
+                                              jax.ShapeDtypeStruct((j,), jnp.bool_)),
                       jax.ShapeDtypeStruct((j,), jnp.uint32), i32(j), i32(j, s))
     return _replicated(rows, mesh)
 

@@ -7,6 +7,16 @@ correction draw biases the output (a real bug in a public engine). Because keys 
 request's own seed and position, a request's output does not depend on its batch or on padding.
 
 Positions: the token that will sit at absolute position `pos` is drawn with key (seed, pos, stream).
+
+Two couplings of draft and target, chosen per request (`SamplingParams.invariant`):
+  optimal   (default): the draft samples with its own stream; verify accepts with u < p/q and resamples
+            from the residual. Acceptance 1 - TV(p, q), the most any coupling gets; lossless in
+            distribution, but WHICH tokens a seed gives depends on what was drafted and verified.
+  invariant: the draft samples with the target's noise, (seed, pos, RESAMPLE), the key plain decoding
+            draws position pos with; verify accepts a draft iff it equals the target's own Gumbel-argmax
+            and emits that argmax at the first mismatch (Daliri, Musco, Suresh 2024). Every emitted
+            token is what plain decoding with the same seed emits, whatever the draft, scheduler or batch
+            did; acceptance falls to at least (1 - TV) / (1 + TV).
 """
 
 from __future__ import annotations
@@ -25,26 +35,44 @@ class Stream(enum.IntEnum):
     RESAMPLE = 2  # the correction (after a rejection) or bonus (after full acceptance) draw
 
 
+COUPLINGS = ("optimal", "invariant")
+
+
 class SamplingParams(NamedTuple):
     """Per-request sampling settings (a pytree of [R] arrays). temperature 0 = greedy;
-    top_k 0 = off; top_p 1 = off."""
+    top_k 0 = off; top_p 1 = off; invariant: the drafter-invariant coupling (module docstring)."""
 
     temperature: jax.Array  # f32[R]
     top_k: jax.Array  # i32[R]
     top_p: jax.Array  # f32[R]
+    invariant: jax.Array  # bool[R]
 
     @classmethod
-    def make(cls, batch: int, temperature=1.0, top_k=0, top_p=1.0) -> "SamplingParams":
+    def make(cls, batch: int, temperature=1.0, top_k=0, top_p=1.0, invariant=False) -> "SamplingParams":
         """Host-side constructor with validation; scalars broadcast to [batch]."""
         t = np.broadcast_to(np.asarray(temperature, np.float32), (batch,))
         k = np.broadcast_to(np.asarray(top_k, np.int32), (batch,))
         p = np.broadcast_to(np.asarray(top_p, np.float32), (batch,))
         validate(t, k, p)
-        return cls(jnp.asarray(t), jnp.asarray(k), jnp.asarray(p))
+        inv = np.broadcast_to(np.asarray(invariant, bool), (batch,))
+        return cls(jnp.asarray(t), jnp.asarray(k), jnp.asarray(p), jnp.asarray(inv))
 
     @classmethod
     def greedy(cls, batch: int) -> "SamplingParams":
         return cls.make(batch, temperature=0.0)
+
+
+def coupling_flag(coupling: str) -> bool:
+    """The `invariant` flag of a coupling name ("optimal" / "invariant"); ValueError names a bad one."""
+    if coupling not in COUPLINGS:
+        raise ValueError(f"coupling: expected one of {COUPLINGS}, got {coupling!r}")
+    return coupling == "invariant"
+
+
+def draft_stream(params: SamplingParams) -> jax.Array:
+    """u32[R]: the stream each row's draft samples with: its own (DRAFT) under the optimal coupling, the
+    target's (RESAMPLE, plain decoding's) under the invariant one."""
+    return jnp.where(params.invariant, jnp.uint32(Stream.RESAMPLE), jnp.uint32(Stream.DRAFT))
 
 
 def validate(temperature, top_k, top_p) -> None:
@@ -193,16 +221,17 @@ def probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
 def request_keys(seeds: jax.Array, positions: jax.Array, stream: int) -> jax.Array:
     """One PRNG key per request from (seed, absolute position, stream).
 
-    seeds u32[R], positions i32[R] (negative positions wrap modulo 2**32); stream is a Stream (a
-    traced integer works too)."""
-    stream_id = jnp.asarray(stream, jnp.uint32)
+    seeds u32[R], positions i32[R] (negative positions wrap modulo 2**32); stream is a Stream, a traced
+    integer, or one per request (u32[R])."""
+    seeds = jnp.asarray(seeds)
+    streams = jnp.broadcast_to(jnp.asarray(stream, jnp.uint32), seeds.shape)
 
-    def one(seed, pos):
+    def one(seed, pos, stream_id):
         key = jax.random.key(seed.astype(jnp.uint32))
         key = jax.random.fold_in(key, pos.astype(jnp.uint32))
         return jax.random.fold_in(key, stream_id)
 
-    return jax.vmap(one)(jnp.asarray(seeds), jnp.asarray(positions))
+    return jax.vmap(one)(seeds, jnp.asarray(positions), streams)
 
 
 def uniform(seeds: jax.Array, positions: jax.Array, stream: int) -> jax.Array:
@@ -215,12 +244,14 @@ def gumbel(seeds: jax.Array, positions: jax.Array, stream: int, vocab: int) -> j
     """f32[R, V] standard Gumbel noise; argmax(logits + noise) samples softmax(logits).
 
     Row r is jax.random.gumbel(request_keys(seeds, positions, stream)[r], (vocab,)), bit for bit.
-    seeds and positions may carry any (equal) leading shape [...]; the noise is then f32[..., V].
+    seeds and positions may carry any (equal) leading shape [...]; the noise is then f32[..., V]. stream
+    is one Stream or an array that broadcasts against them (one stream per row).
     """
     seeds, positions = jnp.broadcast_arrays(jnp.asarray(seeds), jnp.asarray(positions))
+    stream = jnp.broadcast_to(jnp.asarray(stream, jnp.uint32), seeds.shape)
     if _fused_threefry_matches_jax():
         return _fused_gumbel(seeds, positions, stream, vocab)
-    keys = request_keys(seeds.reshape(-1), positions.reshape(-1), stream)
+    keys = request_keys(seeds.reshape(-1), positions.reshape(-1), stream.reshape(-1))
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
     return noise.reshape(seeds.shape + (vocab,))
 
@@ -265,7 +296,7 @@ def _fused_gumbel(seeds, positions, stream, vocab: int) -> jax.Array:
     zero = jnp.zeros_like(seeds)
     # jax.random.key(u32 seed) = (0, seed); fold_in(key, d) = threefry(key, counters (0, d))
     k1, k2 = _threefry2x32(zero, seeds, zero, positions.astype(u32))
-    k1, k2 = _threefry2x32(k1, k2, zero, jnp.broadcast_to(jnp.asarray(stream, u32), seeds.shape))
+    k1, k2 = _threefry2x32(k1, k2, zero, stream)
     # random_bits(key, 32, (V,)) with partitionable threefry: hash of the 64-bit counters 0..V-1 (hi, lo)
     count = jax.lax.iota(u32, vocab)
     b1, b2 = _threefry2x32(k1[..., None], k2[..., None], jnp.zeros_like(count), count)
@@ -279,8 +310,9 @@ def _fused_gumbel(seeds, positions, stream, vocab: int) -> jax.Array:
 
 
 def sample(logits: jax.Array, params: SamplingParams, seeds: jax.Array, positions: jax.Array,
-           stream: int) -> jax.Array:
+           stream) -> jax.Array:
     """Draw one token per request from softmax(process_logits(logits)), logits [R, V] -> i32[R].
+    stream: a Stream, or one per request (u32[R], e.g. `draft_stream`).
 
     Gumbel-max with keyed noise: token = argmax(processed + g). For greedy rows the processed logits
     have a single finite entry, at the first argmax of the raw logits, and the noise is finite, so a

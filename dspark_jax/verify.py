@@ -12,6 +12,12 @@ once the token at that position is emitted, and the next round starts at the nex
 fresh keys: the emitted sequence is distributed exactly as the backbone would sample it, and a
 request's output depends only on its own inputs, seed and position.
 
+Invariant rows (`params.invariant`, the drafter-invariant coupling of `sampling`): the target's token at
+row j is argmax(process(p_j) + G) with G keyed (seed, positions + j, RESAMPLE), the very draw plain
+decoding makes at that position. Draft k is accepted iff it equals the target's token at row k-1, and
+the emitted token is the target's token at row n: no uniform, no residual. The emitted sequence is then
+plain decoding's, token for token, whatever was drafted or how many drafts were verified.
+
 Greedy rows need no special case: p and q are one-hot, so u * q(x) < p(x) holds exactly when x is
 the backbone argmax (u < 1), and the emitted token is the backbone argmax (the residual of two
 one-hots is p itself, or empty when the draft's own argmax was the backbone's, which falls back to p).
@@ -105,7 +111,10 @@ def _verify_and_accept(target_logits, draft_tokens, draft_logits, num_verify, pa
         u = uniform(jnp.repeat(seeds, K), accept_pos, Stream.ACCEPT).reshape(R, K)
         # u < p/q without dividing; q(x) = 0 (a token the draft could not have sampled) accepts iff
         # p(x) > 0, the limit of min(1, p/q).
-        accept = (u * q_x < p_x) & in_vocab & (steps < num_verify[:, None])
+        optimal = u * q_x < p_x
+        accept = jnp.where(params.invariant[:, None], _equals_target_draw(target[:, :K], draft_tokens, params, seeds,
+                                                                          positions), optimal)
+        accept = accept & in_vocab & (steps < num_verify[:, None])
         num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
     else:
         num_accepted = jnp.zeros((R,), jnp.int32)
@@ -120,7 +129,7 @@ def _verify_and_accept(target_logits, draft_tokens, draft_logits, num_verify, pa
         p_n = jnp.exp(p_logits - target_lse[rows, n][:, None])
         q_n = jnp.exp(draft[rows, q_row] - draft_lse[rows, q_row][:, None])
         residual = jnp.maximum(p_n - q_n, 0.0)
-        use_residual = rejected & (jnp.sum(residual, axis=-1) > RESIDUAL_MIN_MASS)
+        use_residual = rejected & ~params.invariant & (jnp.sum(residual, axis=-1) > RESIDUAL_MIN_MASS)
         # Gumbel-max needs no normalisation; log(0) = -inf removes the tokens the residual excludes.
         emit_logits = jnp.where(use_residual[:, None], jnp.log(residual), p_logits)
     noise = gumbel(seeds, positions + n, resample_stream, V)
@@ -130,3 +139,18 @@ def _verify_and_accept(target_logits, draft_tokens, draft_logits, num_verify, pa
     drafts_padded = jnp.concatenate([draft_tokens.astype(jnp.int32), jnp.full((R, 1), -1, jnp.int32)], axis=1)
     tokens = jnp.where(cols < n[:, None], drafts_padded, jnp.where(cols == n[:, None], emitted[:, None], -1))
     return VerifyResult(tokens=tokens, num_accepted=n.astype(jnp.int32), num_emitted=(n + 1).astype(jnp.int32))
+
+
+def _equals_target_draw(target: jax.Array, draft_tokens: jax.Array, params: SamplingParams, seeds: jax.Array,
+                        positions: jax.Array) -> jax.Array:
+    """bool[R, K]: draft k equals the target's own draw at its position, argmax(process(p_{k-1}) + G) with
+    the plain-decoding key (seed, positions + k - 1, RESAMPLE). target: processed logits [R, K, V].
+    Computed only when some row is invariant (the noise is [R, K, V])."""
+    R, K, V = target.shape
+
+    def draws():
+        pos = positions[:, None] + jnp.arange(K, dtype=positions.dtype)[None, :]
+        noise = gumbel(jnp.broadcast_to(seeds[:, None], pos.shape), pos, Stream.RESAMPLE, V)
+        return first_argmax(target + noise) == draft_tokens
+
+    return jax.lax.cond(jnp.any(params.invariant), draws, lambda: jnp.zeros((R, K), bool))

@@ -110,7 +110,7 @@ class Joining(NamedTuple):
 def init(model: sr.SpecModel, slots: int, max_len: int, max_stops: int, max_deferred: int = 0) -> DecodeState:
     rs = sr.init_state(model, slots, max_len)
     table = Slots(sampling.SamplingParams(jnp.zeros(slots, jnp.float32), jnp.zeros(slots, jnp.int32),
-                                          jnp.ones(slots, jnp.float32)),
+                                          jnp.ones(slots, jnp.float32), jnp.zeros(slots, bool)),
                   jnp.zeros(slots, jnp.uint32), jnp.zeros(slots, bool), jnp.zeros(slots, jnp.int32),
                   jnp.full((slots, max_stops), -1, jnp.int32))
     tap = _tap_spec(model, max_len)
@@ -456,14 +456,16 @@ def joining_rows(slots: list[int], prompts: list[list[int]], requests, num_slots
     prompt = np.zeros((j, p_len), np.int32)
     plen = np.ones((j,), np.int32)
     temp, top_k, top_p = np.zeros(j, np.float32), np.zeros(j, np.int32), np.ones(j, np.float32)
+    invariant = np.zeros(j, bool)
     seeds, max_tokens = np.zeros(j, np.uint32), np.ones(j, np.int32)
     stops = np.full((j, max_stops), -1, np.int32)
     for i, (s, p, r) in enumerate(zip(slots, prompts, requests)):
         slot[i], plen[i] = s, len(p)
         prompt[i, :len(p)] = p
         temp[i], top_k[i], top_p[i], seeds[i], max_tokens[i] = r.temperature, r.top_k, r.top_p, r.seed, r.max_tokens
+        invariant[i] = sampling.coupling_flag(r.coupling)
         stops[i, :len(r.stop_tokens)] = list(r.stop_tokens)
-    return Joining(slot, prompt, plen, sampling.SamplingParams(temp, top_k, top_p), seeds, max_tokens, stops)
+    return Joining(slot, prompt, plen, sampling.SamplingParams(temp, top_k, top_p, invariant), seeds, max_tokens, stops)
 
 
 # ---------------------------------------------------------------------------------------------------

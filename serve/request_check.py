@@ -14,6 +14,7 @@ import numbers
 from collections.abc import Sequence
 
 from dspark_jax.errors import UserError, json_object_line
+from dspark_jax.sampling import COUPLINGS
 from dspark_jax.validation import check_known_keys
 
 _SEED_LIMIT = 2 ** 32
@@ -30,7 +31,9 @@ class RequestError(UserError):
 @dataclasses.dataclass
 class Request:
     """One generation request (Python API). `prompt` and `stop_tokens`: token ids; `top_k` 0 and
-    `top_p` 1 are off; `seed` keys the request's randomness (the same seed, the same tokens)."""
+    `top_p` 1 are off; `seed` keys the request's randomness. `coupling` "invariant": the same seed gives
+    the same tokens as plain decoding, whatever the draft, scheduler or batch did; "optimal": the most
+    accepted drafts, exact in distribution only (`dspark_jax.sampling`, README "Same seed, same tokens")."""
 
     prompt: Sequence[int]
     max_tokens: int = 64
@@ -40,6 +43,7 @@ class Request:
     seed: int = 0
     stop_tokens: Sequence[int] = ()
     id: str | int | None = None
+    coupling: str = "optimal"
 
 
 def _is_int(x) -> bool:
@@ -93,6 +97,8 @@ def check_request(req, *, vocab: int, max_len: int, max_stop_tokens: int):
     check_filters(req.top_k, req.top_p)
     if not _is_int(req.seed) or not 0 <= req.seed < _SEED_LIMIT:
         raise RequestError("seed", f"expected an integer in [0, 2^32), got {req.seed!r}")
+    if req.coupling not in COUPLINGS:
+        raise RequestError("coupling", f"expected one of {COUPLINGS}, got {req.coupling!r}")
     stops = _token_ids("stop_tokens", req.stop_tokens, vocab, allow_empty=True)
     if len(stops) > max_stop_tokens:
         raise RequestError("stop_tokens", f"at most {max_stop_tokens} (EngineConfig.max_stop_tokens), "

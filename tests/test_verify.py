@@ -23,7 +23,7 @@ import pytest
 from helpers import reference_probs
 from scipy import stats
 
-from dspark_jax.sampling import SamplingParams, Stream, sample
+from dspark_jax.sampling import SamplingParams, Stream, draft_stream, sample
 from dspark_jax.verify import _verify_and_accept, verify_and_accept
 
 
@@ -108,7 +108,7 @@ def _generate(backbone, draft_chain, anchors, seeds, start, num_verify, params, 
         prev, tokens, logits = anchor, [], []
         for k in range(1, K + 1):
             lg = draft_chain[prev]  # Markov: draft k conditions on draft k-1 (the anchor for k = 1)
-            prev = sample(lg, draft_params, seeds, pos + k - 1, Stream.DRAFT)
+            prev = sample(lg, draft_params, seeds, pos + k - 1, draft_stream(draft_params))
             tokens.append(prev)
             logits.append(lg)
         draft_tokens = jnp.stack(tokens, axis=1)
@@ -156,13 +156,29 @@ def _run(variant: str):
     elif variant == "draft_without_top_p":
         # the draft samples without the nucleus filter the verifier assumes it applied
         draft_params = params._replace(top_p=jnp.ones_like(params.top_p))
+    elif variant == "invariant":  # every row, greedy ones included, under the drafter-invariant coupling
+        params = draft_params = params._replace(invariant=jnp.ones_like(params.invariant))
     else:
         assert variant == "correct"
     out, count, first = _generate(jnp.asarray(backbone), jnp.asarray(draft), jnp.asarray(anchors),
                                   jnp.asarray(seeds), jnp.asarray(start), jnp.asarray(num_verify), params,
                                   draft_params, jnp.asarray(int(stream), jnp.int32), rounds=ROUNDS)
     bookkeeping = (backbone, draft, groups, cfg, length, anchors)
+    if variant == "invariant":
+        bookkeeping += (plain_decoding(jnp.asarray(backbone), jnp.asarray(anchors), jnp.asarray(seeds),
+                                       jnp.asarray(start), params, ROUNDS * (K + 1)),)
     return np.asarray(out), np.asarray(count), jax.tree.map(np.asarray, first), bookkeeping
+
+
+@functools.partial(jax.jit, static_argnames=("n",))
+def plain_decoding(backbone, anchors, seeds, start, params, n):
+    """n tokens per request by plain sampling: the token at position start + i is drawn from the chain's
+    row of the previous token with the key (seed, start + i, RESAMPLE), as the engine's plain step does."""
+    out, prev = [], anchors
+    for i in range(n):
+        prev = sample(backbone[prev], params, seeds, start + i, Stream.RESAMPLE)
+        out.append(prev)
+    return jnp.stack(out, axis=1)
 
 
 def _chi2(counts, probs):
@@ -240,10 +256,44 @@ def test_emitted_tokens_follow_the_backbone_distribution(correct_run):
     assert not failed, f"chi-square rejects (alpha={ALPHA:.1e}): {failed}"
 
 
-def test_rounds_really_reject_and_correct(correct_run):
+@pytest.fixture(scope="module")
+def invariant_run():
+    return _run("invariant")
+
+
+def test_invariant_rows_follow_the_backbone_distribution(invariant_run):
+    out, _, _, bookkeeping = invariant_run
+    pvalues = _lossless_pvalues(out, bookkeeping[:6], check_power=True)
+    failed = {key: pv for key, pv in pvalues.items() if pv < ALPHA}
+    assert not failed, f"chi-square rejects (alpha={ALPHA:.1e}): {failed}"
+
+
+def test_invariant_rows_emit_exactly_the_plain_decoding_tokens(invariant_run):
+    """Every token of every row (each verify length, each filter setting, greedy rows) over both rounds is
+    the token plain sampling with the same seed draws at that position: what was drafted and how much of
+    it was verified changed nothing."""
+    out, count, _, bookkeeping = invariant_run
+    plain = np.asarray(bookkeeping[6])
+    cols = np.arange(out.shape[1])
+    emitted = cols[None, :] < count[:, None]
+    np.testing.assert_array_equal(np.where(emitted, out, -1), np.where(emitted, plain, -1))
+
+
+def test_invariant_acceptance_is_below_the_optimal_but_not_far(correct_run, invariant_run):
+    """The invariant rule accepts no more than the optimal one (1 - TV is the most any coupling gets)
+    and, with the draft sharing the target's noise, most of it: (1 - TV) / (1 + TV) is its floor."""
+    cfg, length = correct_run[3][3], correct_run[3][4]
+    full = length == K
+    opt = correct_run[2].num_accepted[: len(cfg)][full].mean()
+    inv = invariant_run[2].num_accepted[: len(cfg)][full].mean()
+    assert 0.5 * opt < inv <= opt * 1.02, (inv, opt)
+
+
+@pytest.mark.parametrize("run", ["correct_run", "invariant_run"])
+def test_rounds_really_reject_and_correct(run, request):
     """Guard against a vacuous pass: the batch must contain rejections with corrections, full
     acceptances with bonus tokens, at every positive verify length."""
-    _, _, first, (_, _, _, cfg, length, _) = correct_run
+    _, _, first, (_, _, _, cfg, length, *_) = request.getfixturevalue(run)
     acc = first.num_accepted[: len(cfg)]
     for l in range(1, K + 1):
         at_l = acc[length == l]

@@ -79,8 +79,7 @@ def propose_args(program, cfg, rows: int, key):
 
     k1, k2, k3 = jax.random.split(key, 3)
     draft, tied = _random_like(program.args[0], k1), _random_like(program.args[1], k2)
-    params = sampling.SamplingParams(jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32),
-                                     jnp.ones(rows, jnp.float32))
+    params = sampling.SamplingParams.greedy(rows)
     anchor = jax.random.randint(k3, (rows,), 0, cfg.vocab_size, jnp.int32)
     return draft, tied, drafts.init_state(cfg, rows), anchor, params, jnp.arange(rows, dtype=jnp.uint32)
 

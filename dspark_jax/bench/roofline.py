@@ -233,7 +233,8 @@ def propose_program(rows: int, weights: str, cfg=None) -> Program:
     pair = lowering.flash_pair("xla", cfg=cfg, draft_params=draft, slots=rows)
     state = jax.eval_shape(lambda: drafts.init_state(cfg, rows))
 
-    params = sampling.SamplingParams(_sds((rows,), jnp.float32), _sds((rows,), jnp.int32), _sds((rows,), jnp.float32))
+    params = sampling.SamplingParams(_sds((rows,), jnp.float32), _sds((rows,), jnp.int32), _sds((rows,), jnp.float32),
+                                     _sds((rows,), jnp.bool_))
     args = (pair.weights.draft, pair.weights.tied, state, _sds((rows,), jnp.int32), params,
             _sds((rows,), jnp.uint32))
 

@@ -77,7 +77,8 @@ def ingest(params: dict, cfg, state, main_hidden: jax.Array, num_new: jax.Array,
 
 def propose(params: dict, tied: dict, cfg, state, anchor: jax.Array, sampling_params, seeds: jax.Array, *,
             impl: str = "auto", filtering: bool = True) -> DraftOutput:
-    """One draft block per request. Draft token k is sampled with key (seed, length + k, Stream.DRAFT).
+    """One draft block per request. Draft token k is sampled with key (seed, length + k,
+    sampling.draft_stream(...)): DRAFT, or the target's RESAMPLE for invariant rows.
     `filtering=False` promises that no request uses top-k / top-p, which lets the fused Pallas sampler
     run (`impl`)."""
     return family_of(cfg).propose(params, tied, cfg, state, anchor, sampling_params, seeds, impl=impl,

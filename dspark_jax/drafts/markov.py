@@ -239,13 +239,16 @@ def teacher_forced_bias(head_type: str, params: dict, prev: jax.Array, hidden: j
 # ---------------------------------------------------------------------------------------------------
 
 
-def draft_noise(seeds: jax.Array, first_position: jax.Array, block: int, vocab: int) -> jax.Array:
-    """The Gumbel noise of draft tokens 1..K, f32[B, K, V] (keys (seed, first_position + k - 1, DRAFT)):
-    what `sampling.sample` draws for each slot, as one array for the fused sampler."""
+def draft_noise(seeds: jax.Array, first_position: jax.Array, block: int, vocab: int,
+                streams: jax.Array | int = sampling.Stream.DRAFT) -> jax.Array:
+    """The Gumbel noise of draft tokens 1..K, f32[B, K, V] (keys (seed, first_position + k - 1, stream),
+    streams one Stream or u32[B], e.g. `sampling.draft_stream`): what `sampling.sample` draws for each
+    slot, as one array for the fused sampler."""
     first_position = jnp.asarray(first_position)
     positions = first_position[:, None] + jnp.arange(block, dtype=first_position.dtype)[None, :]
-    return sampling.gumbel(jnp.broadcast_to(seeds[:, None], positions.shape), positions, sampling.Stream.DRAFT,
-                           vocab)
+    streams = jnp.asarray(streams, jnp.uint32)
+    return sampling.gumbel(jnp.broadcast_to(seeds[:, None], positions.shape), positions,
+                           streams[:, None] if streams.ndim else streams, vocab)
 
 
 def sample_block(head_type: str, params: dict | None, base: jax.Array, anchor: jax.Array,
@@ -254,9 +257,9 @@ def sample_block(head_type: str, params: dict | None, base: jax.Array, anchor: j
                  filtering: bool = True):
     """Draft one block: for slot i = 0..K-1, bias from the prev token (the anchor, then the token drafted at
     i-1), the hidden h_i and the carried state (zero at the block start); logits_i = base_i + bias_i;
-    token_i = sampling.sample(logits_i, sampling_params, seeds, first_position + i, Stream.DRAFT) (the
-    draft token i is keyed (seed, first_position + i, DRAFT): first_position is the position of the block's
-    first draft token).
+    token_i = sampling.sample(logits_i, sampling_params, seeds, first_position + i, stream) (the draft
+    token i is keyed (seed, first_position + i, stream): first_position is the position of the block's
+    first draft token; stream = `sampling.draft_stream`: DRAFT, or RESAMPLE for invariant rows).
 
     base f32[B, K, V] (the LM head's logits), anchor i32[B], hidden [B, K, H] (None for vanilla),
     params the markov subtree (None = no Markov head: every slot samples from its base logits)
@@ -267,9 +270,10 @@ def sample_block(head_type: str, params: dict | None, base: jax.Array, anchor: j
     (`kernels.markov_sampler`, Pallas on TPU), which draws the same tokens; the other heads fall back to the
     reference scan below either way (it is exact for every filtering setting)."""
     b, k, v = base.shape
+    stream = sampling.draft_stream(sampling_params)
     if params is None:
-        tokens = jnp.stack([sampling.sample(base[:, i], sampling_params, seeds, first_position + i,
-                                            sampling.Stream.DRAFT) for i in range(k)], axis=1)
+        tokens = jnp.stack([sampling.sample(base[:, i], sampling_params, seeds, first_position + i, stream)
+                            for i in range(k)], axis=1)
         return tokens, base, jnp.zeros((b, k, 0), base.dtype)
     head_type = parse_head_type(head_type)
     cd = jnp.dtype(compute_dtype)
@@ -279,7 +283,7 @@ def sample_block(head_type: str, params: dict | None, base: jax.Array, anchor: j
         # rows ignore their noise, so a batch of greedy rows alone draws none. The gated and recurrent
         # heads are not fused: they take the scan below, which is exact for every setting.
         noise = jax.lax.cond(jnp.all(sampling_params.temperature <= 0.0), lambda: jnp.zeros((b, k, v), jnp.float32),
-                             lambda: draft_noise(seeds, first_position, k, v))
+                             lambda: draft_noise(seeds, first_position, k, v, stream))
         tokens, _, emb, logits = markov_sample(base, anchor, w1, params["head"], sampling_params.temperature,
                                                noise, return_logits=True, impl=impl)
         return tokens, logits, emb
@@ -294,7 +298,7 @@ def sample_block(head_type: str, params: dict | None, base: jax.Array, anchor: j
         emb = jnp.take(w1, prev, axis=0)
         bias, state = slot_bias(head_type, params, emb, hidden_i, state, compute_dtype=cd)
         logits = base_i + bias
-        token = sampling.sample(logits, sampling_params, seeds, first_position + offset, sampling.Stream.DRAFT)
+        token = sampling.sample(logits, sampling_params, seeds, first_position + offset, stream)
         return (token, state), (token, logits, emb)
 
     carry = (anchor.astype(jnp.int32), initial_state(head_type, params, (b,), cd))

@@ -249,22 +249,25 @@ _sample = jax.jit(sampling.sample, static_argnums=4)
 # filtering=False changes the path only for vanilla (the fused sampler); the other heads always scan
 @pytest.mark.parametrize("head, filtering", [(h, True) for h in HEADS] + [("vanilla", False)])
 def test_sample_block_sampled_rows(head, filtering):
-    """Mixed greedy / sampled rows: each token is the keyed draw sampling.sample(logits_k, ..., first + k,
-    DRAFT) of the logits returned for it, and those logits are the base plus the head's bias of the chain
-    actually drawn (the teacher-forced reference on [anchor, tokens[:-1]])."""
+    """Mixed greedy / sampled rows, mixed couplings: each token is the keyed draw sampling.sample(logits_k,
+    ..., first + k, stream) of the logits returned for it (stream DRAFT, or the target's RESAMPLE for the
+    invariant rows 1 and 2), and those logits are the base plus the head's bias of the chain actually drawn
+    (the teacher-forced reference on [anchor, tokens[:-1]])."""
     params = make_params(head)
     prev, hidden, base = make_inputs(5)
     anchor = prev[:, 0]
     sp = sampling.SamplingParams.make(B, temperature=[0.0, 0.8, 1.5, 1.0],
                                       top_k=[0, 0, 0, 0] if not filtering else [0, 5, 0, 0],
-                                      top_p=[1.0, 1.0, 1.0, 1.0] if not filtering else [1.0, 1.0, 0.9, 1.0])
+                                      top_p=[1.0, 1.0, 1.0, 1.0] if not filtering else [1.0, 1.0, 0.9, 1.0],
+                                      invariant=[False, True, True, False])
     seeds = jnp.asarray([3, 1, 4, 1], jnp.uint32)
     first = jnp.asarray([5, 9, 2, 6], jnp.int32)
     tokens, logits, emb = _sample_block(head, params, jnp.asarray(base), jnp.asarray(anchor), jnp.asarray(hidden),
                                         sp, seeds, first, filtering=filtering)
     for k in range(K):
-        again = _sample(logits[:, k], sp, seeds, first + k, sampling.Stream.DRAFT)
-        np.testing.assert_array_equal(np.asarray(again), np.asarray(tokens[:, k]))
+        own = _sample(logits[:, k], sp, seeds, first + k, sampling.Stream.DRAFT)
+        target = _sample(logits[:, k], sp, seeds, first + k, sampling.Stream.RESAMPLE)
+        np.testing.assert_array_equal(np.where(sp.invariant, target, own), np.asarray(tokens[:, k]))
     prevs = np.concatenate([anchor[:, None], np.asarray(tokens)[:, :-1]], axis=1)
     _, want_bias = ref_teacher_forced(head, _np(params), prevs, hidden.astype(np.float64))
     np.testing.assert_allclose(np.asarray(logits), base + want_bias, rtol=1e-5, atol=1e-5)
@@ -279,7 +282,7 @@ def test_temperature_only_dispatch_equals_the_reference_scan(head, impl):
     embeddings equal those of the reference scan (filtering=True with no filter set)."""
     params = make_params(head)
     prev, hidden, base = make_inputs(21)
-    sp = sampling.SamplingParams.make(B, temperature=[0.0, 0.7, 1.3, 0.0])
+    sp = sampling.SamplingParams.make(B, temperature=[0.0, 0.7, 1.3, 0.0], invariant=[False, True, False, True])
     seeds = jnp.asarray([7, 8, 9, 10], jnp.uint32)
     first = jnp.asarray([4, 40, 400, 4000], jnp.int32)
     args = (jnp.asarray(base), jnp.asarray(prev[:, 0]), jnp.asarray(hidden), sp, seeds, first)
@@ -300,6 +303,12 @@ def test_draft_noise_is_the_keyed_gumbel_of_each_draft_position():
         keys = sampling.request_keys(seeds, first + k, sampling.Stream.DRAFT)
         want = jax.vmap(lambda key: jax.random.gumbel(key, (33,), jnp.float32))(keys)
         np.testing.assert_array_equal(noise[:, k].view(np.uint32), np.asarray(want).view(np.uint32))
+    # one stream per row (sampling.draft_stream): each row's noise is its own stream's
+    streams = jnp.array([0, 2, 0], jnp.uint32)
+    mixed = np.asarray(jax.jit(lambda s, f, st: markov.draft_noise(s, f, 4, 33, st))(seeds, first, streams))
+    target = np.asarray(jax.jit(lambda s, f: markov.draft_noise(s, f, 4, 33, sampling.Stream.RESAMPLE))(seeds, first))
+    np.testing.assert_array_equal(mixed, np.where(np.asarray(streams == 2)[:, None, None], target, noise))
+    assert not np.array_equal(target, noise)
 
 
 def test_hidden_required_for_gated_and_rnn():

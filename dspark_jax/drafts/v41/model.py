@@ -192,7 +192,7 @@ def propose(params: dict, tied: dict, cfg: DSparkConfig, state: DraftState, anch
             filtering: bool = True) -> DraftOutput:
     """One draft block for each request: parallel body, then the Markov loop and the confidence head.
 
-    Draft token k is sampled with key (seed, length + k, Stream.DRAFT). `filtering=False` promises that
+    Draft token k is sampled with key (seed, length + k, sampling.draft_stream(params)): DRAFT, or the target's RESAMPLE for invariant rows. `filtering=False` promises that
     no request uses top-k / top-p, which lets the fused Pallas sampler run (`impl`).
     """
     h, base = draft_hidden(params, tied, cfg, state, anchor, impl=impl)
