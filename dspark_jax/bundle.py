@@ -4,7 +4,9 @@
                             "draft": {...draft config, any family...}, "tap_mode": "entry"|"output"}
     backbone.safetensors   the backbone's param tree, keys joined with "."
     draft.safetensors      the draft's param tree (docs/params.md), keys joined with "."
-    calibration.json       optional STS temperatures (dspark calibrate)
+    calibration.json       optional STS temperatures (dspark calibrate), fitted on rounds of the optimal coupling
+    calibration_invariant.json  optional, the same fitted on rounds of the drafter-invariant coupling (its
+                           acceptance is lower); present, invariant rows schedule with it
     cost_table.json        optional measured cost table (dspark profile)
     tokenizer.json         optional `tokenizers` tokenizer
 
@@ -105,6 +107,7 @@ class Bundle:
     cost_table: CostTable | None = None
     tokenizer: Any = None
     path: Path | None = None
+    invariant_calibration: Calibration | None = None  # calibration_invariant.json
 
 
 def save_bundle(path, *, backbone_family: str, backbone, backbone_params, draft_cfg, draft_params,
@@ -159,11 +162,26 @@ def load_bundle(path, *, impl: str = "auto") -> Bundle:
     dparams = unflatten_strict(open_checkpoint(path / "draft.safetensors"), drafts.abstract_params(cfg),
                                f"{path / 'draft.safetensors'}")
     calibration = _calibration(path / "calibration.json", cfg.block_size)
+    invariant = _calibration(path / INVARIANT_CALIBRATION, cfg.block_size)
     table = CostTable.from_json(path / "cost_table.json") if (path / "cost_table.json").is_file() else None
     tokenizer = _tokenizer(path / "tokenizer.json", backbone.vocab_size)
-    temps = jnp.asarray(calibration.temperatures if calibration else np.ones(cfg.block_size), jnp.float32)
-    weights = sr.Weights(bparams, dparams, backbone.tied(bparams), temps)
-    return Bundle(model, weights, meta["backbone"].get("family"), calibration, table, tokenizer, path)
+    weights = sr.Weights(bparams, dparams, backbone.tied(bparams), coupling_temperatures(calibration, invariant,
+                                                                                          cfg.block_size))
+    return Bundle(model, weights, meta["backbone"].get("family"), calibration, table, tokenizer, path, invariant)
+
+
+INVARIANT_CALIBRATION = "calibration_invariant.json"
+
+
+def coupling_temperatures(optimal: Calibration | None, invariant: Calibration | None, block_size: int) -> jax.Array:
+    """`Weights.temperatures`: f32[K] when one calibration serves both couplings (ones without any), f32[2, K]
+    (optimal, invariant) when the invariant coupling has its own."""
+    def temps(cal):
+        return np.asarray(cal.temperatures if cal else np.ones(block_size), np.float32)
+
+    if invariant is None:
+        return jnp.asarray(temps(optimal))
+    return jnp.asarray(np.stack([temps(optimal), temps(invariant)]))
 
 
 _META_KEYS = ("backbone", "draft", "tap_mode")

@@ -16,7 +16,7 @@ import numpy as np
 from dspark_jax import assets
 from dspark_jax import drafts
 from dspark_jax import spec_round as sr
-from dspark_jax.bundle import unflatten_strict
+from dspark_jax.bundle import INVARIANT_CALIBRATION, coupling_temperatures, unflatten_strict
 from dspark_jax.calibration import Calibration
 from dspark_jax.checkpoint.safetensors_io import open_checkpoint
 from dspark_jax.errors import UserError
@@ -51,7 +51,9 @@ def load_variant(bundle, name: str):
     params = unflatten_strict(open_checkpoint(vdir / "draft.safetensors"), drafts.abstract_params(cfg),
                               str(vdir / "draft.safetensors"))
     cal = Calibration.load(vdir / "calibration.json") if (vdir / "calibration.json").is_file() else None
-    temps = jnp.asarray(cal.temperatures if cal else np.ones(cfg.block_size), jnp.float32)
+    inv_path = vdir / INVARIANT_CALIBRATION
+    inv = Calibration.load(inv_path) if inv_path.is_file() else None
+    temps = coupling_temperatures(cal, inv, cfg.block_size)
     model = sr.SpecModel(bundle.model.backbone, cfg, tap_mode=bundle.model.tap_mode, impl=bundle.model.impl)
     return model, sr.Weights(bundle.weights.backbone, params, bundle.weights.tied, temps), cal
 

@@ -83,7 +83,9 @@ class Weights(NamedTuple):
     backbone: Any
     draft: Any
     tied: dict
-    temperatures: jax.Array  # f32[K] STS temperatures (ones = uncalibrated)
+    # STS temperatures (ones = uncalibrated): f32[K] for both couplings, or f32[2, K] (optimal, invariant) when
+    # the drafter-invariant coupling, whose acceptance is lower, has its own calibration
+    temperatures: jax.Array
 
 
 class RoundState(NamedTuple):
@@ -158,6 +160,14 @@ def admit(mode: str, conf: jax.Array, conf_lagged: jax.Array, num_drafts: jax.Ar
     raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
 
 
+def row_temperatures(temperatures: jax.Array, invariant: jax.Array) -> jax.Array:
+    """Each row's STS temperatures, f32[B, K], from `Weights.temperatures` (f32[K], or f32[2, K]: optimal,
+    invariant) and the rows' couplings (bool[B])."""
+    if temperatures.ndim == 1:
+        return jnp.broadcast_to(temperatures, invariant.shape + temperatures.shape)
+    return jnp.where(invariant[:, None], temperatures[1], temperatures[0])
+
+
 def draft_counts(active: jax.Array, width: int, draft_cap: jax.Array | None = None
                  ) -> tuple[jax.Array, jax.Array]:
     """-> (cap i32[B]: the drafts each row may verify in a round of this width, num_drafts: cap for the
@@ -180,7 +190,7 @@ def spec_round(model: SpecModel, weights: Weights, state: RoundState, params: sa
         raise ValueError(f"width: expected 1..{k + 1}, got {width}")
     length = state.draft.length
     out = (model.propose_fn or draft_propose)(model, weights, state, params, seeds, filtering)
-    conf = jax.nn.sigmoid(out.conf_logits / weights.temperatures)
+    conf = jax.nn.sigmoid(out.conf_logits / row_temperatures(weights.temperatures, params.invariant))
     cap, num_drafts = draft_counts(active, width, draft_cap)
     lengths = admit(mode, conf, state.conf_lag[1], num_drafts, num_verify=num_verify, table=table,
                     min_gain=min_gain, budget_tokens=budget_tokens, acceptance_scale=acceptance_scale)

@@ -6,7 +6,9 @@ For each draft (the bundle's DSpark draft and each variants/<name>/), run the se
 round reached it) on the CALIBRATION prompts (held-out files disjoint from the evaluation prompts the
 demo and the benchmark use), at --temperature (default 1, the V4.1 default), recording per request-round
 the raw confidence logits, the verify length and the accepted count. Then `calibration.fit_sts` and
-save calibration.json next to the draft (the bundle folder, or variants/<name>/). The records are also
+save calibration.json next to the draft (the bundle folder, or variants/<name>/). With `--coupling
+invariant` the requests run under the drafter-invariant coupling (its acceptance is lower) and the fit is saved
+as calibration_invariant.json beside it, which the bundle loads for its invariant rows. The records are also
 written as JSON lines in `dspark calibrate` format (--records-dir), so reliability plots can be redrawn:
     dspark calibrate build/default_model/calib_records_dspark.jsonl --out /tmp/cal.json
 
@@ -16,6 +18,7 @@ written as JSON lines in `dspark calibrate` format (--records-dir), so reliabili
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -38,6 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--records-dir", default="build/default_model")
     ap.add_argument("--variants", nargs="+", default=["dspark", "parallel", "onetoken"])
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--coupling", default="optimal", choices=("optimal", "invariant"))
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=384)
@@ -54,13 +58,15 @@ def main(argv=None) -> int:
                                                                mode="fixed", num_verify=k))
         reqs = make_requests(prompts, bundle.tokenizer, max_tokens=args.max_tokens, temperature=args.temperature,
                              seed0=1000)
+        reqs = [dataclasses.replace(r, coupling=args.coupling) for r in reqs]
         engine.generate(reqs)
         rec = engine.take_records()
         z, nv, na = rec["logits"], rec["num_verified"].astype(np.int64), rec["num_accepted"].astype(np.int64)
         cal = fit_sts(z, na, nv)
         out = (ROOT / args.bundle) if name == "dspark" else (ROOT / args.bundle / "variants" / name)
-        cal.save(out / "calibration.json")
-        rpath = ROOT / args.records_dir / f"calib_records_{name}.jsonl"
+        suffix = "" if args.coupling == "optimal" else "_invariant"
+        cal.save(out / f"calibration{suffix}.json")
+        rpath = ROOT / args.records_dir / f"calib_records_{name}{suffix}.jsonl"
         with open(rpath, "w") as f:
             for zi, a, v in zip(z, na, nv):
                 f.write(json.dumps({"logits": [float(x) for x in zi], "num_accepted": int(a),
@@ -73,9 +79,9 @@ def main(argv=None) -> int:
         del engine  # each variant's engine compiled its whole program set (XLA:CPU memory maps)
         release_programs()
     text = json.dumps(summary, indent=2) + "\n"
-    (ROOT / args.records_dir / "calibration_summary.json").write_text(text)
+    (ROOT / args.records_dir / f"calibration_summary{suffix}.json").write_text(text)
     if (ROOT / args.bundle / "logs").is_dir():  # the bundle's own record of how it was calibrated
-        (ROOT / args.bundle / "logs" / "calibration_summary.json").write_text(text)
+        (ROOT / args.bundle / "logs" / f"calibration_summary{suffix}.json").write_text(text)
     return 0
 
 

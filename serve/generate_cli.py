@@ -24,7 +24,8 @@ from dspark_jax.errors import UserError
 from dspark_jax.output_files import check_not_an_input, replaced_on_success
 from dspark_jax.serve.cli_common import (add_compile_argument, add_compile_cache_argument, add_model_arguments,
                                          compile_option, enable_compile_cache, load_model)
-from dspark_jax.serve.request_check import PROMPT_LINE_KEYS, check_length_and_temperature, prompt_record
+from dspark_jax.serve.request_check import (COUPLING_SETTINGS, PROMPT_LINE_KEYS, check_length_and_temperature,
+                                            choose_coupling, prompt_record)
 from dspark_jax.validation import check_int_flags, flag_name
 
 
@@ -40,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=64, help="default per request")
     parser.add_argument("--temperature", type=float, default=0.0, help="default per request")
+    parser.add_argument("--coupling", default="auto", choices=COUPLING_SETTINGS,
+                        help="how drafts are accepted: invariant (a line's seed gives the tokens plain decoding "
+                             "gives), optimal (the most accepted drafts, exact in distribution), auto (invariant "
+                             "for lines that set a seed, optimal for the others)")
     parser.add_argument("--cost-table", help="cost table JSON for modes sync/async (default: the bundle's)")
     parser.add_argument("--mesh", default=None,
                         help="serve on a device mesh, e.g. data=2,expert=4 (axes data, fsdp, expert, tensor): "
@@ -78,7 +83,8 @@ def parse_requests(lines, tokenizer, defaults, *, vocab: int, max_stop_tokens: i
             reqs.append(Request(tokens, max_tokens=rec.get("max_tokens", defaults["max_tokens"]),
                                 temperature=rec.get("temperature", defaults["temperature"]),
                                 top_k=rec.get("top_k", 0), top_p=rec.get("top_p", 1.0), seed=rec.get("seed", i),
-                                stop_tokens=tuple(stop), id=(i, rec.get("id", i))))
+                                stop_tokens=tuple(stop), id=(i, rec.get("id", i)),
+                                coupling=choose_coupling(defaults.get("coupling", "auto"), "seed" in rec)))
         except (ValueError, TypeError) as err:
             errors[i] = str(err)
     return reqs, errors, stop_strings
@@ -146,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
         config = EngineConfig(max_slots=args.slots, max_len=args.max_len, mode=args.mode,
                               num_verify=args.num_verify, **compile_option(args))
         reqs, errors, stops = parse_requests(lines, bundle.tokenizer,
-                                             {"max_tokens": args.max_tokens, "temperature": args.temperature},
+                                             {"max_tokens": args.max_tokens, "temperature": args.temperature,
+                                              "coupling": args.coupling},
                                              vocab=bundle.model.backbone.vocab_size,
                                              max_stop_tokens=config.max_stop_tokens)
         texts = {i: TextStream(bundle.tokenizer, strings) for i, strings in stops.items()}

@@ -37,6 +37,7 @@ from dspark_jax.serve import openai_api as oa
 from dspark_jax.serve.engine import Event, Request, RequestError
 from dspark_jax.serve.loop import EngineLoop, QueueFull, ShuttingDown
 from dspark_jax.serve.metrics import ServerMetrics
+from dspark_jax.serve.request_check import choose_coupling
 
 _POLL_S = 0.1  # how often a waiting handler checks that its client is still there and the grace is not over
 
@@ -76,7 +77,11 @@ async def read_body(http: HttpRequest, limit: int) -> bytes:
 
 
 def create_app(loop: EngineLoop, *, tokenizer=None, model_name: str = "dspark", default_max_tokens: int = 16,
-               metrics: ServerMetrics | None = None, max_body_bytes: int = oa.DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               metrics: ServerMetrics | None = None, max_body_bytes: int = oa.DEFAULT_MAX_BODY_BYTES,
+               coupling: str = "auto") -> FastAPI:
+    """`coupling`: "auto" (a request with a `seed` gets the drafter-invariant coupling, one without the
+    optimal one; serve.request_check.choose_coupling), or one coupling for every request."""
+    choose_coupling(coupling, seeded=False)  # a bad setting is refused here, not at the first request
     app = FastAPI(title="dspark_jax", docs_url=None, redoc_url=None)
     metrics = metrics or ServerMetrics(loop)
     app.state.loop, app.state.metrics = loop, metrics
@@ -164,7 +169,8 @@ def create_app(loop: EngineLoop, *, tokenizer=None, model_name: str = "dspark", 
         events: asyncio.Queue = asyncio.Queue()
         seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(4), "little")
         req = Request(p.prompt, max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                      seed=seed, stop_tokens=tuple(p.stop_tokens), id=p.user)
+                      seed=seed, stop_tokens=tuple(p.stop_tokens), id=p.user,
+                      coupling=choose_coupling(coupling, seeded=p.seed is not None))
         try:
             ticket = loop.submit(req, lambda ev: aloop.call_soon_threadsafe(events.put_nowait, ev))
         except QueueFull as err:

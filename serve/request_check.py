@@ -46,6 +46,21 @@ class Request:
     coupling: str = "optimal"
 
 
+# What `dspark serve --coupling` / `dspark generate --coupling` take: a coupling, or "auto" (below).
+COUPLING_SETTINGS = ("auto",) + COUPLINGS
+
+
+def choose_coupling(setting: str, seeded: bool) -> str:
+    """The coupling of one request under a server's or a run's setting. "auto": a request that sets a seed
+    asks for reproducible tokens, so it gets the invariant coupling (the same seed gives the same tokens,
+    whatever the load); one without a seed gets the optimal coupling (the most accepted drafts)."""
+    if setting not in COUPLING_SETTINGS:
+        raise ValueError(f"coupling: expected one of {COUPLING_SETTINGS}, got {setting!r}")
+    if setting == "auto":
+        return "invariant" if seeded else "optimal"
+    return setting
+
+
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 

@@ -28,6 +28,7 @@ from dspark_jax.errors import UserError
 from dspark_jax.serve.cli_common import (add_compile_cache_argument, add_model_arguments, enable_compile_cache,
                                          load_model)
 from dspark_jax.serve.openai_api import DEFAULT_MAX_BODY_BYTES
+from dspark_jax.serve.request_check import COUPLING_SETTINGS
 from dspark_jax.validation import check_int_flags, check_number_flags
 
 
@@ -38,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", default="async", choices=("async", "sync", "off", "fixed", "plain"),
                         help="engine mode (async: the load-aware scheduler on a measured cost table)")
     parser.add_argument("--num-verify", type=int, default=None, help="drafts verified per round in mode fixed")
+    parser.add_argument("--coupling", default="auto", choices=COUPLING_SETTINGS,
+                        help="how drafts are accepted: invariant (a seed gives the tokens plain decoding gives, "
+                             "whatever the load), optimal (the most accepted drafts, exact in distribution), auto "
+                             "(invariant for requests that set a seed, optimal for the others)")
     parser.add_argument("--slots", type=int, default=8, help="concurrent requests in the batch")
     parser.add_argument("--max-len", type=int, default=512, help="context per request (prompt + completion)")
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429")
@@ -123,7 +128,7 @@ def build_app(args):
     metrics.attach(loop)
     name = args.model_name or (bundle.path.name if bundle.path is not None else "dspark-random-tiny")
     app = create_app(loop, tokenizer=bundle.tokenizer, model_name=name, default_max_tokens=args.max_tokens,
-                     metrics=metrics, max_body_bytes=args.max_body_bytes)
+                     metrics=metrics, max_body_bytes=args.max_body_bytes, coupling=args.coupling)
 
     @asynccontextmanager
     async def lifespan(_app):

@@ -73,6 +73,9 @@ CASES = {  # name: (break the bundle, the file the message names, a phrase it co
     "calibration for another K": (lambda b: _edit_json(b / "calibration.json",
                                                        lambda d: d.update(temperatures=d["temperatures"][:2])),
                                   "calibration.json", "2 temperatures for a draft of block_size"),
+    "invariant calibration for another K": (
+        lambda b: (b / "calibration_invariant.json").write_text('{"temperatures": [1, 1]}'),
+        "calibration_invariant.json", "2 temperatures for a draft of block_size"),
     "calibration NaN": (lambda b: (b / "calibration.json").write_text('{"temperatures": [NaN, 1, 1, 1, 1, 1, 1]}'),
                         "calibration.json", "temperatures"),
     # the one strict tree check (dspark_jax.checkpoint.trees.check_tree) names the leaf and the file
@@ -120,6 +123,25 @@ def test_the_intact_copy_loads(bundle):
     b = load_bundle(bundle)
     assert b.tokenizer is not None and b.calibration is not None
     assert np.asarray(b.weights.temperatures).tolist() == pytest.approx(b.calibration.temperatures)
+
+
+def test_an_invariant_calibration_gives_invariant_rows_their_own_temperatures(bundle):
+    """calibration_invariant.json present: Weights.temperatures holds both (optimal, invariant), and each row of a
+    round divides its confidence logits by its own coupling's."""
+    import jax.numpy as jnp
+
+    from dspark_jax.spec_round import row_temperatures
+
+    optimal = json.loads((bundle / "calibration.json").read_text())["temperatures"]
+    k = len(optimal)
+    inv = [0.5 + 0.25 * i for i in range(k)]
+    (bundle / "calibration_invariant.json").write_text(json.dumps({"temperatures": inv}))
+    b = load_bundle(bundle)
+    np.testing.assert_allclose(np.asarray(b.weights.temperatures), [optimal, inv], rtol=1e-6)
+    rows = np.asarray(row_temperatures(b.weights.temperatures, jnp.asarray([False, True, True])))
+    np.testing.assert_allclose(rows, [optimal, inv, inv], rtol=1e-6)
+    one = np.asarray(row_temperatures(jnp.asarray(optimal), jnp.asarray([False, True])))
+    np.testing.assert_allclose(one, [optimal, optimal], rtol=1e-6)
 
 
 def test_a_bundle_json_path_loads_its_folder(bundle):

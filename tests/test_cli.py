@@ -104,3 +104,14 @@ def test_generate_rejects_a_bad_mesh(tmp_path, capsys):
     prompts.write_text('{"tokens": [1, 2]}\n')
     assert main(["generate", "--random-tiny", "--prompts", str(prompts), "--mesh", "data=2,experts=4"]) == 2
     assert "--mesh: mesh: expected comma-separated AXIS=N" in capsys.readouterr().err
+
+
+def test_generate_gives_the_lines_that_set_a_seed_the_invariant_coupling_under_auto():
+    from dspark_jax.serve.generate_cli import parse_requests
+
+    lines = [b'{"tokens": [1, 2], "seed": 5}', b'{"tokens": [3]}']
+    for setting, want in (("auto", ["invariant", "optimal"]), ("optimal", ["optimal"] * 2),
+                          ("invariant", ["invariant"] * 2)):
+        reqs, errors, _ = parse_requests(lines, None, {"max_tokens": 4, "temperature": 1.0, "coupling": setting},
+                                         vocab=512, max_stop_tokens=4)
+        assert not errors and [r.coupling for r in reqs] == want, setting

@@ -13,36 +13,12 @@ import numpy as np
 import pytest
 from helpers import padded
 from helpers import random_prompts as prompts
-from helpers.spec import CFG, K, family
+from helpers.spec import CFG, K, family, sampled_oracle_propose
 
-from dspark_jax import drafts, sampling
+from dspark_jax import sampling
 from dspark_jax import spec_round as sr
 from dspark_jax.schedule import CostTable
 from dspark_jax.serve.engine import Engine, EngineConfig, Request
-
-
-def sampled_oracle_propose(model, weights, state, params, seeds, filtering):
-    """Draft token k = the backbone's keyed draw at its position with the row's draft stream (on a scratch copy
-    of the cache), draft logits = the backbone's; a deterministic pattern of (seed, position, k) corrupts some
-    tokens. Confidence logits vary per row and position (in -6..6) so the schedulers admit varied lengths."""
-    bb, k, v = model.backbone, model.block_size, model.backbone.vocab_size
-    length = state.draft.length
-    stream = sampling.draft_stream(params)
-    cache, tok, toks, logits = state.cache, state.anchor, [], []
-    for i in range(k):
-        out = bb.forward(weights.backbone, cache, tok[:, None])
-        cache = bb.commit(out.cache, jnp.ones_like(tok))
-        row = out.logits[:, 0].astype(jnp.float32)
-        tok = sampling.sample(row, params, seeds, length + 1 + i, stream)
-        toks.append(tok)
-        logits.append(row)
-    tokens = jnp.stack(toks, axis=1)
-    bad = (seeds[:, None].astype(jnp.int32) * 7 + length[:, None] * 3 + jnp.arange(k)) % 7 == 0
-    tokens = jnp.where(bad, (tokens + 1) % v, tokens)
-    cell = (seeds[:, None].astype(jnp.int32) * 5 + length[:, None] * 3 + jnp.arange(k) * 4) % 13
-    b = tokens.shape[0]
-    return drafts.DraftOutput(tokens, jnp.stack(logits, axis=1), (cell - 6).astype(jnp.float32),
-                              jnp.zeros((b, k, 0)), jnp.zeros((b, k, model.cfg.dim)))
 
 
 # Rows: sampled settings of the issue (T = 1; T = 0.7 with top-k and top-p; a greedy row), then the same

@@ -20,6 +20,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "moe": ("dspark_jax.bench.moe", "wall clock of a many-expert draft's propose and training step, all-experts "
                                     "MoE against routed, side by side"),
     "memory": ("dspark_jax.bench.memory", "device memory per chip of the serving programs on a TPU pod mesh"),
+    "coupling": ("dspark_jax.bench.coupling", "tau and tokens/s of the invariant coupling against the optimal one "
+                                              "and plain decoding; invariant tokens checked equal to plain"),
     "compile": ("dspark_jax.bench.compile", "per-call wall time and compiles of successive generate calls; "
                                             "first token and ready per compile policy"),
 }

@@ -56,6 +56,30 @@ def oracle_propose_varied(model, weights, state, params, seeds, filtering):
     return out._replace(conf_logits=(cell - 6).astype(jnp.float32))
 
 
+def sampled_oracle_propose(model, weights, state, params, seeds, filtering):
+    """Draft token k = the backbone's keyed draw at its position with the row's draft stream (on a scratch copy
+    of the cache), draft logits = the backbone's; a deterministic pattern of (seed, position, k) corrupts some
+    tokens. Confidence logits vary per row and position (in -6..6) so the schedulers admit varied lengths."""
+    bb, k, v = model.backbone, model.block_size, model.backbone.vocab_size
+    length = state.draft.length
+    stream = sampling.draft_stream(params)
+    cache, tok, toks, logits = state.cache, state.anchor, [], []
+    for i in range(k):
+        out = bb.forward(weights.backbone, cache, tok[:, None])
+        cache = bb.commit(out.cache, jnp.ones_like(tok))
+        row = out.logits[:, 0].astype(jnp.float32)
+        tok = sampling.sample(row, params, seeds, length + 1 + i, stream)
+        toks.append(tok)
+        logits.append(row)
+    tokens = jnp.stack(toks, axis=1)
+    bad = (seeds[:, None].astype(jnp.int32) * 7 + length[:, None] * 3 + jnp.arange(k)) % 7 == 0
+    tokens = jnp.where(bad, (tokens + 1) % v, tokens)
+    cell = (seeds[:, None].astype(jnp.int32) * 5 + length[:, None] * 3 + jnp.arange(k) * 4) % 13
+    b = tokens.shape[0]
+    return drafts.DraftOutput(tokens, jnp.stack(logits, axis=1), (cell - 6).astype(jnp.float32),
+                              jnp.zeros((b, k, 0)), jnp.zeros((b, k, model.cfg.dim)))
+
+
 def random_prompts(n, seed, vocab=512):
     """n prompts of 1..11 random token ids."""
     rng = np.random.default_rng(seed)

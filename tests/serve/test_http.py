@@ -591,3 +591,58 @@ def test_past_the_grace_sigterm_ends_a_stream_with_an_error_event_and_a_queued_r
         cut = [line for line in out.splitlines() if rid in line]
         assert len(cut) == 1 and "cut: the shutdown grace ran out" in cut[0], out
     assert "Traceback" not in out and "Exception in ASGI" not in out and "graceful shutdown exceeded" not in out, out
+
+
+@pytest.fixture(scope="module")
+def invariant_servers(model):
+    """Two servers on the tiny pair: one verifying every draft of an oracle draft that samples the backbone with
+    the draft's keys (so drafts are accepted at T = 1), `--coupling auto`; and a `mode="plain"` one."""
+    from helpers.spec import sampled_oracle_propose
+
+    m, w = model
+    spec = sr.SpecModel(m.backbone, m.cfg, impl="xla", propose_fn=sampled_oracle_propose)
+    servers = []
+    for mdl, cfg in ((spec, EngineConfig(max_slots=4, max_len=MAX_LEN, mode="fixed", num_verify=m.block_size,
+                                         progress=False)),
+                     (m, EngineConfig(max_slots=4, max_len=MAX_LEN, mode="plain", progress=False))):
+        loop = EngineLoop(lambda mdl=mdl, cfg=cfg: Engine(mdl, w, cfg), max_queue=16, warmup="full")
+        app = create_app(loop, tokenizer=tiny_tokenizer(), model_name="tiny", coupling="auto")
+        loop.start()
+        srv = ThreadedServer(app, ready_timeout_s=900)
+        srv.loop = loop
+        servers.append(srv)
+    yield servers
+    for srv in servers:
+        srv.stop()
+        srv.loop.shutdown(5)
+
+
+# Two servers compiling every program (~1-2 min): in the slow step.
+@pytest.mark.slow
+def test_a_seeded_request_gets_plain_decodings_text_twice_streamed_or_not_alone_or_under_load(invariant_servers):
+    """Issue 44. A request with a seed gets the invariant coupling: the same text twice, streamed or not, alone
+    or among 16 concurrent clients, and the text a plain server gives, while its drafts are accepted."""
+    spec, plain = invariant_servers
+    client = openai.OpenAI(base_url=spec.url + "/v1", api_key="none", max_retries=0)
+    for body in ({"prompt": "class Engine:", "max_tokens": 24, "temperature": 1.0, "seed": 4321},
+                 {"prompt": "def step(self):", "max_tokens": 24, "temperature": 0.7, "top_p": 0.9, "seed": 77}):
+        want = post(plain, "/v1/completions", body).json()["choices"][0]["text"]
+        first = post(spec, "/v1/completions", body).json()
+        assert first["dspark"]["accepted_drafts"] > 0  # speculation really happened
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, model="tiny", **body))
+        results = {}
+
+        def fire(i, b):
+            results[i] = post(spec, "/v1/completions", b).json()["choices"][0]["text"]
+
+        others = [{**body, "seed": 500 + i, "max_tokens": 8 + i % 5, "temperature": 1.0} for i in range(13)]
+        threads = [threading.Thread(target=fire, args=(i, b)) for i, b in enumerate(others)]
+        threads += [threading.Thread(target=fire, args=(f"mine{j}", body)) for j in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        again = post(spec, "/v1/completions", body).json()["choices"][0]["text"]
+        assert first["choices"][0]["text"] == want
+        assert streamed == want and again == want
+        assert [results[f"mine{j}"] for j in range(3)] == [want] * 3

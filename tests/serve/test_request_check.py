@@ -4,7 +4,7 @@ are normalised so nothing after submit can overflow or consume them (top_k 2**40
 import numpy as np
 import pytest
 
-from dspark_jax.serve.request_check import Request, RequestError, check_request
+from dspark_jax.serve.request_check import Request, RequestError, check_request, choose_coupling
 
 VOCAB, MAXLEN = 100, 64
 
@@ -26,6 +26,8 @@ BAD = [  # (fields, the field the error must name)
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 5.0}, "max_tokens"),
     ({"max_tokens": "5"}, "max_tokens"),
+    ({"coupling": "exact"}, "coupling"),
+    ({"coupling": None}, "coupling"),
     ({"temperature": -0.1}, "temperature"),
     ({"temperature": float("nan")}, "temperature"),
     ({"temperature": float("inf")}, "temperature"),
@@ -102,3 +104,12 @@ def test_the_python_api_refuses_a_misspelled_field_too():
     # The Request dataclass is the API's counterpart of a prompt line's keys: a typo is an error there as well.
     with pytest.raises(TypeError, match="temprature"):
         Request(prompt=[1, 2], temprature=1.0)
+
+
+def test_auto_coupling_gives_seeded_requests_the_invariant_one():
+    assert choose_coupling("auto", seeded=True) == "invariant"
+    assert choose_coupling("auto", seeded=False) == "optimal"
+    for setting in ("invariant", "optimal"):
+        assert choose_coupling(setting, seeded=True) == choose_coupling(setting, seeded=False) == setting
+    with pytest.raises(ValueError, match="coupling.*'exact'"):
+        choose_coupling("exact", seeded=True)
