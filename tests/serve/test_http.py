@@ -427,7 +427,9 @@ def test_a_seeded_request_is_the_same_alone_under_load_and_offline(server, model
         t.join(120)
     assert results["mine"] == alone
     m, w = model
-    offline = Engine(m, w, CONFIG).generate([Request([11, 12, 13], max_tokens=24, temperature=1.0, seed=1234)])
+    # a request that sets a seed gets the drafter-invariant coupling (`--coupling auto`): the offline twin too
+    offline = Engine(m, w, CONFIG).generate([Request([11, 12, 13], max_tokens=24, temperature=1.0, seed=1234,
+                                                     coupling="invariant")])
     assert tiny_tokenizer().decode(offline[0].tokens) == alone
 
 
