@@ -99,35 +99,6 @@ def test_greedy_speculative_equals_plain(bundle):
     assert outs["off"] == outs["plain"]
 
 
-@needs_default
-@pytest.mark.slow  # ~1 min of compiles (a plain and a speculative engine)
-def test_sampled_invariant_speculative_equals_plain_and_streams_to_its_text(bundle):
-    """Issue 44 on the trained default: sampled requests (T = 1; T = 0.7 with top-p) under the invariant
-    coupling emit plain decoding's tokens while the draft is accepted, and each output streamed token by token
-    through TextStream (byte-level tokens, characters split across them) gives its whole decode."""
-    import dataclasses
-
-    from dspark_jax.evaluation import make_requests, read_prompts
-    from dspark_jax.serve.engine import Engine, EngineConfig
-    from dspark_jax.serve.openai_api import TextStream
-
-    prompts = read_prompts(DEFAULT / "prompts.jsonl", 4)
-    reqs = [dataclasses.replace(r, coupling="invariant", top_p=0.9 if i % 2 else 1.0, temperature=0.7 if i % 2 else 1.0)
-            for i, r in enumerate(make_requests(prompts, bundle.tokenizer, max_tokens=48, temperature=1.0,
-                                                max_prompt_tokens=64))]
-    outs = {}
-    for mode in ("plain", "off"):
-        eng = Engine(bundle.model, bundle.weights, EngineConfig(max_slots=4, max_len=128, mode=mode, progress=False))
-        outs[mode] = [r.tokens for r in eng.generate(reqs)]
-        if mode == "off":
-            assert eng.metrics.tau > 1.3, eng.metrics.summary()  # drafts are accepted under the invariant rule
-    assert outs["off"] == outs["plain"]
-    for tokens in outs["off"]:
-        stream = TextStream(bundle.tokenizer, [])
-        text = "".join(stream.push([t]) for t in tokens) + stream.push([], final=True)
-        assert text == bundle.tokenizer.decode(tokens)
-
-
 # ---------------------------------------------------------------------------------------------------
 # The second embedded default (dspark_jax/assets/default_qwen3; skipped when absent)
 # ---------------------------------------------------------------------------------------------------
@@ -193,3 +164,40 @@ def test_default_qwen3_greedy_speculative_equals_plain_and_accepts():
         tau = eng.metrics.tau
     assert outs["off"] == outs["plain"] and all(len(t) == 24 for t in outs["plain"])
     assert tau > 1.2, tau  # the trained draft really gets drafts accepted (a random one gives ~1.0)
+
+
+@pytest.mark.slow  # ~1 min of compiles per bundle (a plain and a speculative engine)
+@pytest.mark.parametrize("which", ["default", "default_qwen3"])
+def test_sampled_invariant_speculative_equals_plain_and_streams_to_its_text(which, request):
+    """Issue 44 on both trained defaults (the V4.1 and the DeepSpec draft family): sampled requests (T = 1; T = 0.7 with top-p) under the invariant
+    coupling emit plain decoding's tokens while the draft is accepted, and each output streamed token by token
+    through TextStream (byte-level tokens, characters split across them) gives its whole decode."""
+    import dataclasses
+
+    from dspark_jax.evaluation import make_requests, read_prompts
+    from dspark_jax.serve.engine import Engine, EngineConfig
+    from dspark_jax.serve.openai_api import TextStream
+
+    if which == "default":
+        if DEFAULT is None:
+            pytest.skip("embedded default model not present")
+        bundle = request.getfixturevalue("bundle")
+    else:
+        if not (DEFAULT_QWEN3 / "bundle.json").is_file():
+            pytest.skip("embedded default_qwen3 model not present")
+        bundle = default_qwen3()
+    prompts = read_prompts(bundle.path / "prompts.jsonl", 4)
+    reqs = [dataclasses.replace(r, coupling="invariant", top_p=0.9 if i % 2 else 1.0, temperature=0.7 if i % 2 else 1.0)
+            for i, r in enumerate(make_requests(prompts, bundle.tokenizer, max_tokens=48, temperature=1.0,
+                                                max_prompt_tokens=64))]
+    outs = {}
+    for mode in ("plain", "off"):
+        eng = Engine(bundle.model, bundle.weights, EngineConfig(max_slots=4, max_len=128, mode=mode, progress=False))
+        outs[mode] = [r.tokens for r in eng.generate(reqs)]
+        if mode == "off":
+            assert eng.metrics.tau > 1.3, eng.metrics.summary()  # drafts are accepted under the invariant rule
+    assert outs["off"] == outs["plain"]
+    for tokens in outs["off"]:
+        stream = TextStream(bundle.tokenizer, [])
+        text = "".join(stream.push([t]) for t in tokens) + stream.push([], final=True)
+        assert text == bundle.tokenizer.decode(tokens)

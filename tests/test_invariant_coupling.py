@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import padded
 from helpers import random_prompts as prompts
-from helpers.spec import CFG, K, family, sampled_oracle_propose
+from helpers.spec import CFG, K, family, plain_tokens, sampled_oracle_propose
 
 from dspark_jax import sampling
 from dspark_jax import spec_round as sr
@@ -26,37 +26,27 @@ from dspark_jax.serve.engine import Engine, EngineConfig, Request
 SETTINGS = [(1.0, 0, 1.0), (0.7, 20, 0.9), (1.0, 0, 0.95), (0.7, 0, 1.0), (0.0, 0, 1.0), (1.0, 50, 1.0)]
 
 
-def _params(invariant):
-    n = len(SETTINGS)
-    t, k, p = (np.tile([s[i] for s in SETTINGS], 2) for i in range(3))
-    return sampling.SamplingParams.make(2 * n, t, k, p, invariant=np.repeat([invariant, False], n))
+ROWS = 64  # the first half invariant, the second optimal; settings cycle through SETTINGS in each half
 
 
-def _plain(model, weights, prompt, plen, params, seeds, steps, maxlen):
-    b = prompt.shape[0]
-    active = jnp.ones(b, bool)
-
-    @jax.jit
-    def run(weights):
-        st, first = sr.start(model, weights, sr.init_state(model, b, maxlen), prompt, plen, active, params, seeds)
-        _, toks = jax.lax.scan(lambda st, _: sr.plain_step(model, weights, st, params, seeds, active), st, None,
-                               length=steps)
-        return jnp.concatenate([first[:, None], toks.T], axis=1)
-
-    return np.asarray(run(weights))
+def _params():
+    setting = [SETTINGS[i % len(SETTINGS)] for i in range(ROWS // 2)] * 2
+    t, k, p = (np.array([s[i] for s in setting]) for i in range(3))
+    return sampling.SamplingParams.make(ROWS, t, k, p, invariant=np.arange(ROWS) < ROWS // 2)
 
 
 @pytest.mark.parametrize("name", ["mhc", "qwen3"])
 def test_invariant_rows_of_a_round_emit_the_plain_decoding_tokens(name):
-    """Verify lengths forced through every value 0..K (rows out of phase), invariant rows beside optimal ones:
-    every invariant row's 60 tokens are plain sampling's; the invariant rows really accepted drafts."""
-    steps, maxlen = 60, 128
+    """64 prompts, verify lengths forced through every value 0..K (rows out of phase), 32 invariant rows beside
+    32 optimal ones: every invariant row's 40 tokens are plain sampling's; the invariant rows really accepted
+    drafts."""
+    steps, maxlen = 40, 128
     bb, weights = family(name)
     model = sr.SpecModel(bb, CFG, impl="xla", propose_fn=sampled_oracle_propose)
-    n = 2 * len(SETTINGS)
+    n = ROWS
     prompt, plen = padded(prompts(n, seed=3))
-    params, seeds, active = _params(True), jnp.arange(100, 100 + n, dtype=jnp.uint32), jnp.ones(n, bool)
-    want = _plain(model, weights, prompt, plen, params, seeds, steps, maxlen)
+    params, seeds, active = _params(), jnp.arange(100, 100 + n, dtype=jnp.uint32), jnp.ones(n, bool)
+    want = plain_tokens(model, weights, prompt, plen, params, seeds, steps, maxlen)
     state, first = sr.start(model, weights, sr.init_state(model, n, maxlen), prompt, plen, active, params, seeds)
     rnd = jax.jit(sr.spec_round, static_argnums=0, static_argnames=("width", "mode", "filtering"))
     got = [[int(f)] for f in first]
@@ -68,14 +58,14 @@ def test_invariant_rows_of_a_round_emit_the_plain_decoding_tokens(name):
         out = jax.device_get(out)
         for r in range(n):
             got[r] += [int(t) for t in out.tokens[r, :out.num_emitted[r]]]
-            if r < len(SETTINGS):
+            if r < n // 2:
                 accepted[out.num_accepted[r]] += 1
         i += 1
-    for r in range(len(SETTINGS)):
-        assert got[r][:steps + 1] == want[r].tolist(), (r, SETTINGS[r])
+    for r in range(n // 2):
+        assert got[r][:steps + 1] == want[r].tolist(), (r, SETTINGS[r % len(SETTINGS)])
     assert (accepted > 0).all(), accepted  # every acceptance count 0..K happened on invariant rows
     # the optimal rows sampled differently somewhere (the coupling changed what they got)
-    assert any(got[r][:steps + 1] != want[r].tolist() for r in range(len(SETTINGS), n) if SETTINGS[r % 6][0] > 0)
+    assert any(got[r][:steps + 1] != want[r].tolist() for r in range(n // 2, n))
 
 
 def _requests(invariant_ids):
@@ -88,28 +78,29 @@ def _requests(invariant_ids):
     return out
 
 
-# ~2-3 min of compiles (a plain engine and three speculative ones at every width): in the slow step.
+# ~5 min of compiles (a plain engine and four speculative ones at every width): in the slow step.
 @pytest.mark.slow
 def test_engine_invariant_requests_equal_a_plain_engine_in_every_mode():
     """Through the engine: requests joining and leaving 3 slots, invariant and optimal requests mixed, modes
-    fixed, sync and async, each engine first serving other (optimal) traffic: every invariant request gets the
-    tokens a `mode="plain"` engine gives it."""
+    fixed, sync and async (and fixed at batch 1), each engine first serving other (optimal) traffic: every
+    invariant request gets the tokens a `mode="plain"` engine gives it."""
     bb, weights = family("mhc")
     model = sr.SpecModel(bb, CFG, impl="xla", propose_fn=sampled_oracle_propose)
     invariant_ids = {0, 1, 3, 4, 6}
     reqs = _requests(invariant_ids)
 
-    def engine(mode, **kw):
+    def engine(mode, slots=3, **kw):
         table = CostTable(np.array([1, 4, 8, 12]), np.array([100.0, 95.0, 60.0, 40.0]), max_batch_tokens=18)
-        return Engine(model, weights, EngineConfig(mode=mode, max_slots=3, max_len=128, progress=False, **kw),
+        return Engine(model, weights, EngineConfig(mode=mode, max_slots=slots, max_len=128, progress=False, **kw),
                       table if mode in ("sync", "async") else None)
 
     want = {r.id: r.tokens for r in engine("plain").generate(reqs)}
-    for mode, kw in (("fixed", {"num_verify": K}), ("sync", {}), ("async", {})):
-        eng = engine(mode, **kw)
+    for slots, mode, kw in ((3, "fixed", {"num_verify": K}), (3, "sync", {}), (3, "async", {}),
+                            (1, "fixed", {"num_verify": K})):  # batch 1: one request at a time
+        eng = engine(mode, slots, **kw)
         eng.generate([Request(p, max_tokens=12, temperature=1.0, seed=7, id="other") for p in prompts(4, seed=9)])
         for r in eng.generate(reqs):
             if r.id in invariant_ids:
-                assert r.tokens == want[r.id], (mode, r.id)
+                assert r.tokens == want[r.id], (slots, mode, r.id)
         m = eng.metrics
         assert m.spec_rounds > 0 and m.accepted_at.sum() > 0, mode  # drafts were verified and accepted

@@ -96,7 +96,15 @@ def plain_greedy_tokens(model, weights, prompts, steps, maxlen) -> np.ndarray:
     """Plain autoregressive greedy decoding of the backbone, batched: i32[n, steps + 1]."""
     prompt, plen = padded(prompts)
     b = prompt.shape[0]
-    sp, seeds, active = sampling.SamplingParams.greedy(b), jnp.arange(b, dtype=jnp.uint32), jnp.ones(b, bool)
+    return plain_tokens(model, weights, prompt, plen, sampling.SamplingParams.greedy(b),
+                        jnp.arange(b, dtype=jnp.uint32), steps, maxlen)
+
+
+def plain_tokens(model, weights, prompt, plen, sp, seeds, steps, maxlen) -> np.ndarray:
+    """Plain autoregressive decoding of the backbone with sampling params `sp` and `seeds` (the shared round's
+    `start` and `plain_step`), batched: i32[n, steps + 1]."""
+    b = prompt.shape[0]
+    active = jnp.ones(b, bool)
 
     @jax.jit
     def run(weights):
